@@ -1,0 +1,3 @@
+from genmesh.cli import main
+
+raise SystemExit(main())

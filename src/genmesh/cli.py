@@ -1,0 +1,265 @@
+"""The `genmesh` command. Every option can also be set as an environment variable
+GENMESH_<NAME> (e.g. --nats-url / GENMESH_NATS_URL); a flag wins over the variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from genmesh import __version__
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _env_name(flag: str) -> str:
+    return "GENMESH_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    help: str,
+    type: Callable[[str], Any] = str,
+    default: Any = None,
+    choices: Sequence[str] | None = None,
+    required: bool = False,
+) -> None:
+    """An option that falls back to its GENMESH_ variable, then to `default`."""
+    env = _env_name(flag)
+    raw = os.environ.get(env)
+    if raw is not None and raw != "":
+        try:
+            default = type(raw)
+        except (TypeError, ValueError):
+            parser.error(f"{env}={raw!r} is not a valid value for {flag}")
+        required = False
+    shown = "" if default is None else f"; default: {default}"
+    parser.add_argument(
+        flag,
+        type=type,
+        default=default,
+        choices=choices,
+        required=required,
+        help=f"{help} [env {env}{shown}]",
+    )
+
+
+def flag(parser: argparse.ArgumentParser, name: str, *, help: str) -> None:
+    env = _env_name(name)
+    default = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
+    parser.add_argument(name, action="store_true", default=default, help=f"{help} [env {env}]")
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(value)
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise ValueError(value)
+    return number
+
+
+def _token_ids(value: str) -> list[int]:
+    return [int(part) for part in value.replace(" ", "").split(",") if part]
+
+
+def _common(
+    parser: argparse.ArgumentParser, *, nats_default: str | None = DEFAULT_NATS_URL
+) -> None:
+    option(parser, "--nats-url", default=nats_default, help="NATS server URL")
+    option(parser, "--namespace", default="default", help="mesh namespace (a subject token)")
+    option(
+        parser,
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+
+
+def _mock_options(parser: argparse.ArgumentParser) -> None:
+    option(
+        parser,
+        "--mock-speedup",
+        type=_non_negative_float,
+        default=1.0,
+        help="mock engine speed-up over its timing model; 0 = instant",
+    )
+    option(parser, "--mock-model", default="genmesh-mock", help="model name the mock serves")
+    option(parser, "--mock-vocab-size", type=_positive_int, default=151_936, help="mock vocabulary")
+    option(parser, "--mock-eos-token-id", type=int, default=151_645, help="mock EOS token id")
+    option(
+        parser,
+        "--mock-max-model-len",
+        type=_positive_int,
+        default=32_768,
+        help="mock context length (prompt + output)",
+    )
+
+
+def _worker_options(parser: argparse.ArgumentParser) -> None:
+    option(parser, "--engine", default="mock", choices=["mock"], help="engine adapter")
+    option(
+        parser,
+        "--max-concurrency",
+        type=_positive_int,
+        default=256,
+        help="requests a worker runs at once; more are refused as overloaded (HTTP 503)",
+    )
+    _mock_options(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="genmesh",
+        description=(
+            "genmesh: a serving mesh over NATS for the native token-in/token-out generate "
+            "APIs of LLM engines (SGLang /generate).\n\n"
+            "  genmesh up        run a whole mesh on this machine (start here)\n"
+            "  genmesh request   send one request over NATS and print the reply frames"
+        ),
+        epilog="Every option can also be set as the environment variable shown beside it.",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"genmesh {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = sub.add_parser(
+        "up",
+        help="run NATS, routers, workers and the HTTP frontend as separate processes",
+        description=(
+            "Run a whole mesh on this machine: a NATS server (unless --nats-url is given), "
+            "routers, mock workers and the HTTP frontend, each its own process so they can be "
+            "killed one by one. Ctrl-C or SIGTERM stops everything."
+        ),
+        formatter_class=_Formatter,
+    )
+    _common(up, nats_default=None)
+    option(up, "--host", default="127.0.0.1", help="HTTP listen address")
+    option(up, "--port", type=int, default=8000, help="HTTP port")
+    option(up, "--workers", type=int, default=2, help="number of worker processes")
+    option(up, "--routers", type=_positive_int, default=1, help="number of router processes")
+    option(
+        up,
+        "--router-policy",
+        default="round_robin",
+        choices=["round_robin", "random", "least_loaded"],
+        help="how routers pick a worker",
+    )
+    _worker_options(up)
+
+    frontend = sub.add_parser("frontend", help="run the HTTP frontend", formatter_class=_Formatter)
+    _common(frontend)
+    option(frontend, "--host", default="127.0.0.1", help="HTTP listen address")
+    option(frontend, "--port", type=int, default=8000, help="HTTP port")
+    option(
+        frontend,
+        "--generate-format",
+        default="sglang",
+        help="format that serves /generate (entry-point group genmesh.formats)",
+    )
+    option(frontend, "--codec", default="msgpack", help="codec for requests on the bus")
+    option(
+        frontend,
+        "--model",
+        default="genmesh-mock",
+        help="model name reported before any worker is known",
+    )
+    option(frontend, "--body-limit-mb", type=float, default=32.0, help="largest request body")
+    option(
+        frontend,
+        "--ack-timeout",
+        type=_non_negative_float,
+        default=2.0,
+        help="seconds to wait for a worker to acknowledge a request",
+    )
+    option(
+        frontend,
+        "--idle-timeout",
+        type=_non_negative_float,
+        default=60.0,
+        help="seconds of silence from a worker before a request fails",
+    )
+
+    router = sub.add_parser("router", help="run a router", formatter_class=_Formatter)
+    _common(router)
+    option(
+        router,
+        "--router-policy",
+        default="round_robin",
+        choices=["round_robin", "random", "least_loaded"],
+        help="how to pick a worker",
+    )
+
+    worker = sub.add_parser(
+        "worker", help="run a worker in front of an engine", formatter_class=_Formatter
+    )
+    _common(worker)
+    option(worker, "--worker-id", default=None, help="worker id (a subject token); random if unset")
+    _worker_options(worker)
+    option(
+        worker,
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between announcements; routers drop a worker after 3 missed",
+    )
+
+    nats_cmd = sub.add_parser(
+        "nats", help="run the bundled NATS server", formatter_class=_Formatter
+    )
+    option(nats_cmd, "--host", default="127.0.0.1", help="listen address")
+    option(nats_cmd, "--nats-port", type=int, default=4222, help="client port (-1 = any free port)")
+
+    req = sub.add_parser(
+        "request",
+        help="send one request over NATS and print the reply frames as JSON lines",
+        description=(
+            "Send one request envelope to the routers (or, with --worker, pinned to a worker) "
+            "and print every reply frame as a JSON line. Exits 0 on `end`, 1 on `err`."
+        ),
+        formatter_class=_Formatter,
+    )
+    _common(req)
+    option(req, "--input-ids", type=_token_ids, default=None, help="prompt, e.g. 1,2,3")
+    option(req, "--envelope", default=None, help="a JSON envelope file ('-' = stdin) instead")
+    option(req, "--max-tokens", type=int, default=16, help="generation budget")
+    option(req, "--min-tokens", type=int, default=0, help="tokens before a stop may happen")
+    option(req, "--seed", type=int, default=None, help="sampling seed")
+    option(req, "--stop-token-ids", type=_token_ids, default=None, help="e.g. 7,9")
+    flag(req, "--ignore-eos", help="do not stop at EOS")
+    flag(req, "--logprobs", help="return output logprobs")
+    option(req, "--top-logprobs", type=int, default=0, help="alternatives per position")
+    option(req, "--worker", default=None, help="pin the request to this worker id")
+    option(req, "--codec", default="msgpack", help="codec of the request (replies match it)")
+    option(req, "--timeout", type=float, default=60.0, help="seconds of silence before giving up")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from genmesh import commands
+
+    handler: Callable[[argparse.Namespace], int] = getattr(commands, f"cmd_{args.command}")
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""What each `genmesh` subcommand does (the parser lives in `genmesh.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from genmesh.formats.catalog import ConfigError
+from genmesh.shared.bus import NatsUnreachable
+from genmesh.shared.natsserver import NatsServer, NatsServerError
+
+
+def _fail(message: str) -> int:
+    print(f"genmesh: {message}", file=sys.stderr)
+    return 2
+
+
+def _run_service(coro: Coroutine[Any, Any, None]) -> int:
+    try:
+        asyncio.run(coro)
+    except (NatsUnreachable, ConfigError, NatsServerError, ValueError) as exc:
+        return _fail(str(exc))
+    except OSError as exc:  # e.g. the HTTP port is taken
+        return _fail(f"{exc.strerror or exc}")
+    return 0
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    from genmesh.services.run import FrontendOptions, configure_logging, serve_frontend
+
+    configure_logging(args.log_level, "frontend")
+    return _run_service(
+        serve_frontend(
+            FrontendOptions(
+                nats_url=args.nats_url,
+                namespace=args.namespace,
+                host=args.host,
+                port=args.port,
+                generate_format=args.generate_format,
+                codec=args.codec,
+                model=args.model,
+                body_limit_mb=args.body_limit_mb,
+                ack_timeout_s=args.ack_timeout,
+                idle_timeout_s=args.idle_timeout,
+            )
+        )
+    )
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from genmesh.services.run import configure_logging, serve_router
+
+    configure_logging(args.log_level, "router")
+    return _run_service(serve_router(args.nats_url, args.namespace, args.router_policy))
+
+
+def mock_config(args: argparse.Namespace) -> Any:
+    from genmesh.services.worker.engines.mock import MockConfig
+
+    return MockConfig(
+        model=args.mock_model,
+        vocab_size=args.mock_vocab_size,
+        eos_token_id=args.mock_eos_token_id,
+        max_model_len=args.mock_max_model_len,
+        speedup=args.mock_speedup,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from genmesh.services.run import configure_logging, serve_worker
+    from genmesh.services.worker.service import WorkerConfig
+    from genmesh.shared.ids import is_subject_token, new_worker_id
+
+    worker_id = args.worker_id or new_worker_id()
+    if not is_subject_token(worker_id):
+        return _fail(f"--worker-id {worker_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
+    configure_logging(args.log_level, f"worker[{worker_id}]")
+    try:
+        mock = mock_config(args)
+        from genmesh.services.worker.engines.mock import MockEngine
+
+        MockEngine(mock)  # validates the settings before connecting
+    except ValueError as exc:
+        return _fail(str(exc))
+    config = WorkerConfig(
+        worker_id=worker_id,
+        max_concurrency=args.max_concurrency,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+    return _run_service(serve_worker(args.nats_url, args.namespace, args.engine, config, mock))
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from genmesh.services.run import wait_for_stop_signal
+
+    server = NatsServer(host=args.host, port=args.nats_port)
+    try:
+        url = server.start()
+    except NatsServerError as exc:
+        return _fail(str(exc))
+    print(f"NATS server listening on {url} (log: {server.log_path}); Ctrl-C stops it", flush=True)
+    try:
+        asyncio.run(wait_for_stop_signal())
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from genmesh.up import run_up
+
+    return run_up(args)
+
+
+def cmd_request(args: argparse.Namespace) -> int:
+    from genmesh.client import request
+    from genmesh.shared.envelope import Envelope, EnvelopeError
+    from genmesh.shared.ids import new_request_id
+
+    if args.envelope:
+        try:
+            if args.envelope == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.envelope) as f:
+                    text = f.read()
+            obj = json.loads(text)
+            if isinstance(obj, dict):
+                obj.setdefault("v", 1)
+                obj.setdefault("id", new_request_id())
+            envelope = Envelope.from_wire(obj)
+        except (OSError, ValueError, EnvelopeError) as exc:
+            return _fail(f"bad --envelope: {exc}")
+    elif args.input_ids:
+        envelope = request(
+            args.input_ids,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            seed=args.seed,
+            stop_token_ids=args.stop_token_ids,
+            ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+            top_logprobs=args.top_logprobs,
+            worker=args.worker,
+        )
+    else:
+        return _fail("give --input-ids (e.g. --input-ids 1,2,3) or --envelope FILE")
+    return asyncio.run(_request(args, envelope))
+
+
+async def _request(args: argparse.Namespace, envelope: Any) -> int:
+    from genmesh.client import MeshClient
+
+    try:
+        client = await MeshClient.connect(
+            args.nats_url, args.namespace, codec=args.codec, idle_timeout_s=args.timeout
+        )
+    except (NatsUnreachable, LookupError) as exc:
+        return _fail(str(exc))
+    status = 1
+    async with client:
+        async for frame in client.generate(envelope):
+            print(json.dumps(frame), flush=True)
+            if frame["t"] == "end":
+                status = 0
+    return status

@@ -1,0 +1,334 @@
+"""SGLang `/generate` requests: parse, validate as SGLang does, project onto an envelope.
+
+Error shapes follow SGLang (reference `engine-apis.md` §A.6): a body that is not JSON, or a
+field of the wrong JSON type, gets the legacy validation shape
+`{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}`; a value
+SGLang would reject gets `{"error": {"message"}}`. Messages reuse SGLang's wording where it
+has one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from genmesh.formats.base import Bound, RequestRejected
+from genmesh.shared.envelope import MAX_TOKEN_ID, Envelope, OutputOptions, Routing, Sampling
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# Fields a tokenizer-less server cannot honour, with the reason it gives.
+_UNSUPPORTED = {
+    "input_embeds": "input_embeds is not supported by this server; send input_ids",
+    "image_data": "multimodal inputs (image_data) are not supported by this server",
+    "video_data": "multimodal inputs (video_data) are not supported by this server",
+    "audio_data": "multimodal inputs (audio_data) are not supported by this server",
+    "token_ids_logprob": "token_ids_logprob is not supported by this server yet",
+    "return_hidden_states": "return_hidden_states is not supported by this server",
+    "return_routed_experts": "return_routed_experts is not supported by this server yet",
+    "custom_logit_processor": "custom_logit_processor is not enabled on this server",
+    "session_params": "sessions (session_params) are not supported by this server",
+    "session_id": "sessions (session_id) are not supported by this server",
+}
+# Prefill/decode pairing is the mesh's business, never the client's.
+_INTERNAL = (
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "disagg_prefill_dp_rank",
+)
+# Fields accepted and passed to the engine untouched (ignored where they mean nothing here).
+_PASSTHROUGH = (
+    "lora_path",
+    "return_text_in_logprobs",
+    "routed_experts_start_len",
+    "modalities",
+    "background",
+    "conversation_id",
+    "custom_labels",
+    "no_logs",
+    "return_entropy",
+    "return_prompt_token_ids",
+    "log_metrics",
+    "require_reasoning",
+    "routing_key",
+)
+_ROUTING = ("data_parallel_rank", "routed_dp_rank", "priority", "extra_key")
+_CORE = (
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+)
+KNOWN_FIELDS = frozenset((*_CORE, *_UNSUPPORTED, *_INTERNAL, *_PASSTHROUGH, *_ROUTING))
+
+
+def legacy_error(message: str, status: int = 400) -> dict[str, Any]:
+    return {
+        "object": "error",
+        "message": message,
+        "type": "Bad Request",
+        "param": None,
+        "code": status,
+    }
+
+
+def error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message}}
+
+
+def _type_error(message: str) -> RequestRejected:
+    return RequestRejected(400, legacy_error(message), message)
+
+
+def _value_error(message: str) -> RequestRejected:
+    return RequestRejected(400, error(message), message)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangOptions:
+    """What the response renderer needs to know about the request."""
+
+    prompt_tokens: int
+    return_logprob: bool
+    top_logprobs_num: int
+    max_new_tokens: int | None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _opt_int(obj: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = obj.get(key)
+    if value is not None and not _is_int(value):
+        raise _type_error(f"{where}{key}: Input should be a valid integer, got {value!r}")
+    return value
+
+
+def _opt_number(obj: Mapping[str, Any], key: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise _type_error(f"sampling_params.{key}: Input should be a valid number, got {value!r}")
+    if not math.isfinite(value):
+        raise _value_error(f"{key} must be a finite number, got {value}.")
+    return float(value)
+
+
+def _opt_bool(obj: Mapping[str, Any], key: str, where: str = "") -> bool:
+    value = obj.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _type_error(f"{where}{key}: Input should be a valid boolean, got {value!r}")
+    return value
+
+
+def _input_ids(body: Mapping[str, Any]) -> list[int]:
+    if body.get("text") is not None:
+        raise _value_error(
+            "text prompts need a tokenizer and this server has none "
+            "(it serves like SGLang with --skip-tokenizer-init): send input_ids instead"
+        )
+    ids = body.get("input_ids")
+    if ids is None:
+        raise _value_error("Either text or input_ids should be provided.")
+    if not isinstance(ids, list):
+        raise _type_error(f"input_ids: Input should be a valid list, got {type(ids).__name__}")
+    if not ids:
+        raise _value_error("input_ids cannot be empty.")
+    if any(isinstance(item, list) for item in ids):
+        raise _value_error(
+            "input_ids: batch input (a list of input_ids lists) is not supported yet; "
+            "send one list of token ids per request"
+        )
+    for i, tid in enumerate(ids):
+        if not _is_int(tid):
+            raise _type_error(f"input_ids[{i}]: Input should be a valid integer, got {tid!r}")
+        if not 0 <= tid <= MAX_TOKEN_ID:
+            raise _value_error(f"input_ids[{i}]: token id {tid} is out of range")
+    return ids
+
+
+def _sampling(sp: Mapping[str, Any]) -> Sampling:
+    n = _opt_int(sp, "n", "sampling_params.")
+    if n is not None and n != 1:
+        raise _value_error(
+            f"sampling_params.n: parallel sampling (n={n}) is not supported yet; send n=1"
+        )
+    max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new is not None:
+        if not _is_int(max_new):
+            raise _type_error(
+                f"sampling_params.max_new_tokens: Input should be a valid integer, got {max_new!r}"
+            )
+        if max_new < 0:
+            raise _value_error(f"max_new_tokens must be at least 0, got {max_new}.")
+    min_new = _opt_int(sp, "min_new_tokens", "sampling_params.") or 0
+    upper = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    if not 0 <= min_new <= upper:
+        raise _value_error(
+            f"min_new_tokens must be in [0, max_new_tokens({upper})], got {min_new}."
+        )
+    temperature = _opt_number(sp, "temperature")
+    if temperature is not None and temperature < 0:
+        raise _value_error(f"temperature must be non-negative, got {temperature}.")
+    top_p = _opt_number(sp, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise _value_error(f"top_p must be in (0, 1], got {top_p}.")
+    min_p = _opt_number(sp, "min_p")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise _value_error(f"min_p must be in [0, 1], got {min_p}.")
+    top_k = _opt_int(sp, "top_k", "sampling_params.")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise _value_error(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+    for key in ("frequency_penalty", "presence_penalty"):
+        value = _opt_number(sp, key)
+        if value is not None and not -2 <= value <= 2:
+            raise _value_error(f"{key} must be in [-2, 2], got {value}.")
+    repetition = _opt_number(sp, "repetition_penalty")
+    if repetition is not None and not 0 < repetition <= 2:
+        raise _value_error(f"repetition_penalty must be in (0, 2], got {repetition}.")
+    if sp.get("stop") not in (None, [], ""):
+        raise _value_error(
+            "sampling_params.stop: stop strings need a tokenizer and this server has none; "
+            "use stop_token_ids"
+        )
+    if sum(sp.get(key) is not None for key in ("json_schema", "regex", "ebnf")) > 1:
+        raise _value_error("Only one of regex, json_schema, or ebnf can be set.")
+    stop_ids = sp.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not isinstance(stop_ids, list) or not all(
+        _is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stop_ids
+    ):
+        raise _type_error("sampling_params.stop_token_ids: Input should be a list of token ids")
+    seed = _opt_int(sp, "sampling_seed", "sampling_params.")
+    return Sampling(
+        max_tokens=max_new,
+        min_tokens=min_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=None if top_k == -1 else top_k,
+        min_p=min_p,
+        seed=seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=_opt_bool(sp, "ignore_eos", "sampling_params."),
+    )
+
+
+def _routing(body: Mapping[str, Any], headers: Mapping[str, str]) -> Routing:
+    dp_rank = _opt_int(body, "routed_dp_rank", "")
+    if dp_rank is None:
+        dp_rank = _opt_int(body, "data_parallel_rank", "")
+    if dp_rank is not None and dp_rank < 0:
+        raise _value_error(f"routed_dp_rank must be >= 0, got {dp_rank}")
+    cache_salt = body.get("extra_key")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise _type_error("extra_key: Input should be a valid string")
+    return Routing(dp_rank=dp_rank, priority=_opt_int(body, "priority", ""), cache_salt=cache_salt)
+
+
+def bind(body_bytes: bytes, headers: Mapping[str, str]) -> Bound:
+    try:
+        body = json.loads(body_bytes)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _type_error(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _type_error(f"request body must be a JSON object, got {type(body).__name__}")
+
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise _value_error(f"unsupported top-level SGLang generate field(s): {', '.join(unknown)}")
+    for key in _INTERNAL:
+        if body.get(key) is not None:
+            raise _value_error(
+                f"`{key}` is internal routing state and cannot be set by clients "
+                "(this server does its own prefill/decode pairing)"
+            )
+    for key, reason in _UNSUPPORTED.items():
+        if body.get(key) not in (None, False, [], {}):
+            raise _value_error(reason)
+
+    input_ids = _input_ids(body)
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        raise _value_error("rid: a list of rids is for batch input, which is not supported yet")
+    if rid is not None and not isinstance(rid, str):
+        raise _type_error("rid: Input should be a valid string")
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if isinstance(sp, list):
+        raise _value_error(
+            "sampling_params: a list of sampling_params is for batch input, "
+            "which is not supported yet"
+        )
+    if not isinstance(sp, dict):
+        raise _type_error("sampling_params: Input should be a valid dictionary")
+    sampling = _sampling(sp)
+
+    stream = _opt_bool(body, "stream")
+    return_logprob = _opt_bool(body, "return_logprob")
+    start = _opt_int(body, "logprob_start_len", "")
+    start = -1 if start is None else start
+    top_k = _opt_int(body, "top_logprobs_num", "") or 0
+    if top_k < 0:
+        raise _value_error(f"top_logprobs_num must be >= 0, got {top_k}")
+    if start < -1:
+        raise _value_error(f"logprob_start_len must be >= -1, got {start}")
+    if return_logprob and start >= len(input_ids):
+        raise _value_error(
+            f"logprob_start_len ({start}) is higher than the number of input tokens "
+            f"({len(input_ids)}). Request with a lower logprob_start_len."
+        )
+    output = OutputOptions()
+    if return_logprob:
+        output = OutputOptions(
+            logprobs=True,
+            top_logprobs=top_k,
+            prompt_logprobs_start=len(input_ids) - 1 if start == -1 else start,
+        )
+
+    client_id = rid if rid is not None else _header(headers, "x-request-id")
+    native = {k: v for k, v in body.items() if k not in ("input_ids", "rid", "stream", "text")}
+    envelope = Envelope(
+        id="",
+        token_ids=input_ids,
+        format="sglang",
+        client_id=client_id,
+        sampling=sampling,
+        output=output,
+        routing=_routing(body, headers),
+        engine=native,
+    )
+    options = SglangOptions(
+        prompt_tokens=len(input_ids),
+        return_logprob=return_logprob,
+        top_logprobs_num=top_k if return_logprob else 0,
+        max_new_tokens=sampling.max_tokens,
+    )
+    return Bound(envelope=envelope, stream=stream, client_id=client_id, options=options)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None

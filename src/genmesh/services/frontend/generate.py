@@ -1,0 +1,162 @@
+"""The shared generate handler: one request lifecycle for every format.
+
+bind (format) -> readiness -> private ID -> dispatch over NATS -> frames rendered by the
+format into SSE events or folded into a unary body -> cancel on client disconnect.
+Nothing here knows a native field name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
+from genmesh.formats.merge import Merger
+from genmesh.services.frontend.state import FrontendState
+from genmesh.shared import frames
+from genmesh.shared.errors import ErrorCode, MeshError, http_status
+from genmesh.shared.ids import new_public_id, new_request_id
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse_event(payloads: list[Any]) -> bytes:
+    return "".join(f"data: {dumps(p)}\n\n" for p in payloads).encode()
+
+
+class GenerateHandler:
+    def __init__(self, fmt: GenerateFormat, state: FrontendState) -> None:
+        self.format = fmt
+        self.state = state
+
+    def json_error(
+        self, status: int, message: str, headers: dict[str, str] | None = None
+    ) -> web.Response:
+        return web.json_response(
+            self.format.error_body(status, message), status=status, headers=headers, dumps=dumps
+        )
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        received_at = time.monotonic()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = request.app._client_max_size
+            return self.json_error(413, f"request body is larger than the limit of {limit} bytes")
+        try:
+            bound = self.format.bind(body, request.headers)
+        except RequestRejected as rejected:
+            return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
+
+        public_id = bound.client_id or new_public_id()
+        headers = {"x-request-id": public_id}
+        not_ready = self.state.not_ready_reason()
+        if not_ready:
+            return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
+
+        envelope = bound.envelope
+        envelope.id = new_request_id()
+        exchange = self.format.exchange(bound, public_id, received_at)
+        log.debug("request %s (client id %s) dispatched", envelope.id, bound.client_id)
+        stream = self.state.client.generate(envelope)
+        try:
+            async with contextlib.aclosing(stream):
+                if bound.stream:
+                    return await self._stream(request, stream, exchange, headers, envelope.id)
+                return await self._unary(stream, exchange, headers, envelope.id)
+        except (ConnectionResetError, TimeoutError) as exc:
+            # The client went away while we wrote; closing the stream above sent the cancel.
+            log.info("request %s: client connection lost (%s); cancelled", envelope.id, exc)
+            raise
+        except asyncio.CancelledError:
+            # Handler cancellation: the client disconnected. aclosing() published the cancel.
+            log.info("request %s: client disconnected (499); cancelled", envelope.id)
+            raise
+
+    def _failure(self, error: MeshError, rid: str, public_id: str) -> tuple[int, MeshError]:
+        status = http_status(error.code)
+        if error.code is ErrorCode.INTERNAL:
+            log.error("request %s failed: %s", rid, error.message)
+            error = MeshError(ErrorCode.INTERNAL, f"Internal server error (request {public_id})")
+        else:
+            log.info("request %s failed: %s: %s", rid, error.code.value, error.message)
+        return status, error
+
+    def _error_response(
+        self, exchange: Exchange, frame: frames.Frame, headers: dict[str, str], rid: str
+    ) -> web.Response:
+        status, error = self._failure(frames.error_of(frame), rid, headers["x-request-id"])
+        if status == 503:
+            headers = {**headers, "Retry-After": "1"}
+        return web.json_response(
+            exchange.error(error, status), status=status, headers=headers, dumps=dumps
+        )
+
+    async def _unary(
+        self,
+        stream: AsyncIterator[frames.Frame],
+        exchange: Exchange,
+        headers: dict[str, str],
+        rid: str,
+    ) -> web.StreamResponse:
+        merger = Merger(self.format.merge_rules)
+        async for frame in stream:
+            kind = frame["t"]
+            if kind == frames.ERR:
+                return self._error_response(exchange, frame, headers, rid)
+            if kind in (frames.OUT, frames.END):
+                for chunk in exchange.render(frame):
+                    merger.add(chunk)
+            if kind == frames.END:
+                return web.json_response(merger.result(), headers=headers, dumps=dumps)
+        raise AssertionError("reply stream ended without a terminal frame")
+
+    async def _stream(
+        self,
+        request: web.Request,
+        stream: AsyncIterator[frames.Frame],
+        exchange: Exchange,
+        headers: dict[str, str],
+        rid: str,
+    ) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        async for frame in stream:
+            kind = frame["t"]
+            if kind == frames.ACK:
+                continue
+            if response is None:
+                # The status is committed only now, so errors before any output keep theirs.
+                if kind == frames.ERR:
+                    return self._error_response(exchange, frame, headers, rid)
+                response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+                await response.prepare(request)
+            if kind == frames.KA:
+                await response.write(SSE_KEEPALIVE)
+            elif kind == frames.ERR:
+                status, error = self._failure(frames.error_of(frame), rid, headers["x-request-id"])
+                await response.write(sse_event([exchange.error(error, status)]) + SSE_DONE)
+                break
+            else:
+                data = sse_event(exchange.render(frame))
+                if kind == frames.END:
+                    await response.write(data + SSE_DONE)
+                    break
+                await response.write(data)
+        assert response is not None
+        await response.write_eof()
+        return response

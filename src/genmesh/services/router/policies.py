@@ -1,0 +1,72 @@
+"""Routing policies: given the eligible, non-full workers, pick one."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Protocol
+
+from genmesh.shared.discovery import WorkerInfo
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo: ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+        # Sorted, so the rotation is stable while the set is.
+        ordered = sorted(workers, key=lambda w: w.id)
+        return ordered[next(self._counter) % len(ordered)]
+
+
+class Random:
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+        return self._rng.choice(workers)
+
+
+class LeastLoaded:
+    """Power of two choices: two random workers, the less loaded wins.
+
+    Exact minimum would send every router's next request to the same worker between load
+    reports (herding); two random choices keep nearly all of its benefit without that.
+    """
+
+    name = "least_loaded"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self._rng.sample(workers, 2)
+        return a if a.load <= b.load else b
+
+
+POLICIES: dict[str, type[RoundRobin] | type[Random] | type[LeastLoaded]] = {
+    "round_robin": RoundRobin,
+    "random": Random,
+    "least_loaded": LeastLoaded,
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown router policy {name!r}; choose one of: {', '.join(POLICIES)}"
+        ) from None

@@ -1,0 +1,132 @@
+"""The router: picks a worker per request and forwards the request bytes to it.
+
+The forward keeps the requester's reply subject, so the token stream goes straight from
+the worker to the requester. Routers share the queue group `router`: each request reaches
+exactly one of them, and any of them can fail without losing the subject.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
+from genmesh.services.router.policies import Policy, make_policy
+from genmesh.shared import frames
+from genmesh.shared.bus import codec_headers, message_codec
+from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
+from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
+from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(
+        self, nc: Client, subjects: Subjects, *, policy: str = "round_robin", router_id: str = ""
+    ) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.router_id = router_id
+        self.policy: Policy = make_policy(policy)
+        self.directory = WorkerDirectory(nc, subjects)
+        self.decisions: Counter[str] = Counter()
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        await self.directory.start()
+        self._sub = await self.nc.subscribe(
+            self.subjects.router_generate, queue=ROUTER_QUEUE_GROUP, cb=self._on_request
+        )
+        log.info(
+            "router %s on %s (policy %s)",
+            self.router_id,
+            self.subjects.router_generate,
+            self.policy.name,
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+        await self.directory.close()
+
+    def choose(self, envelope: Envelope) -> WorkerInfo:
+        """The worker for `envelope`, or MeshError(no_worker | overloaded)."""
+        routing = envelope.routing
+        workers = self.directory.live()
+        if not workers:
+            raise MeshError(
+                ErrorCode.NO_WORKER,
+                f"no worker is registered in namespace {self.subjects.namespace!r}",
+            )
+        if routing.worker is not None:
+            pinned = self.directory.workers.get(routing.worker)
+            if pinned is None:
+                raise MeshError(ErrorCode.NO_WORKER, f"worker {routing.worker!r} is not known")
+            return pinned
+        excluded = set(routing.exclude)
+        candidates = [
+            w
+            for w in workers
+            if w.id not in excluded
+            and w.serves(envelope.format)
+            and (envelope.model is None or w.model == envelope.model)
+        ]
+        if not candidates:
+            what = f"model {envelope.model!r}" if envelope.model else f"format {envelope.format!r}"
+            raise MeshError(ErrorCode.NO_WORKER, f"no worker serves {what}")
+        free = [w for w in candidates if not w.full]
+        if not free:
+            raise MeshError(
+                ErrorCode.OVERLOADED, f"all {len(candidates)} eligible workers are at capacity"
+            )
+        return self.policy.choose(free)
+
+    async def _on_request(self, msg: Msg) -> None:
+        try:
+            codec = message_codec(msg)
+        except UnknownCodecError as exc:
+            error = MeshError(ErrorCode.UNKNOWN_CODEC, str(exc))
+            await self._reject(msg, get_codec("json"), None, error)
+            return
+        try:
+            obj = codec.decode(msg.data)
+        except CodecError as exc:
+            await self._reject(msg, codec, None, MeshError(ErrorCode.BAD_ENVELOPE, str(exc)))
+            return
+        try:
+            envelope = Envelope.from_wire(obj)
+        except EnvelopeError as exc:
+            error = MeshError(ErrorCode.BAD_ENVELOPE, str(exc))
+            await self._reject(msg, codec, peek_id(obj), error)
+            return
+        if not msg.reply:
+            log.warning("request %s has no reply subject; dropped", envelope.id)
+            return
+        try:
+            worker = self.choose(envelope)
+        except MeshError as exc:
+            await self._reject(msg, codec, envelope.id, exc)
+            return
+        self.directory.note_sent(worker)
+        self.decisions[worker.id] += 1
+        # The original bytes and headers (codec, trace context) go on untouched.
+        await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=msg.headers)
+
+    async def _reject(self, msg: Msg, codec: Codec, rid: str | None, error: MeshError) -> None:
+        log.info("request %s not routed: %s: %s", rid, error.code.value, error.message)
+        if not msg.reply:
+            return
+        frame = frames.err(rid, 0, error)
+        try:
+            await self.nc.publish(msg.reply, codec.encode(frame), headers=codec_headers(codec))
+        except Exception as exc:
+            log.warning("could not send routing error for %s: %s", rid, exc)

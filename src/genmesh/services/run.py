@@ -1,0 +1,133 @@
+"""Run one service in the foreground until SIGINT/SIGTERM, then stop it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from genmesh.client import MeshClient
+from genmesh.formats.catalog import load_generate_formats
+from genmesh.services.frontend.app import build_app
+from genmesh.services.frontend.state import FrontendState
+from genmesh.services.router.service import Router
+from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.services.worker.service import Worker, WorkerConfig
+from genmesh.shared.bus import connect
+from genmesh.shared.discovery import WorkerDirectory
+from genmesh.shared.ids import new_router_id
+from genmesh.shared.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+
+async def wait_for_stop_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendOptions:
+    nats_url: str
+    namespace: str
+    host: str
+    port: int
+    generate_format: str
+    codec: str
+    model: str
+    body_limit_mb: float
+    ack_timeout_s: float
+    idle_timeout_s: float
+
+
+async def serve_frontend(opts: FrontendOptions) -> None:
+    formats = load_generate_formats(opts.generate_format)
+    subjects = Subjects(opts.namespace)
+    nc = await connect(opts.nats_url, name="genmesh-frontend", inbox_prefix="_INBOX_frontend")
+    client = MeshClient(
+        nc,
+        opts.namespace,
+        codec=opts.codec,
+        ack_timeout_s=opts.ack_timeout_s,
+        idle_timeout_s=opts.idle_timeout_s,
+    )
+    await client.start()
+    directory = WorkerDirectory(nc, subjects)
+    await directory.start()
+    state = FrontendState(
+        nc=nc,
+        client=client,
+        directory=directory,
+        namespace=opts.namespace,
+        default_model=opts.model,
+        started=time.time(),
+    )
+    app = build_app(state, formats, body_limit_bytes=int(opts.body_limit_mb * 1024 * 1024))
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels
+    # the request in the mesh. Without it aiohttp lets the handler run to the end.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, opts.host, opts.port)
+        await site.start()
+        routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)
+        log.info("frontend listening on http://%s:%d (%s)", opts.host, opts.port, routes)
+        await wait_for_stop_signal()
+        log.info("frontend stopping")
+    finally:
+        await runner.cleanup()
+        await directory.close()
+        await client.close()
+        await nc.drain()
+
+
+async def serve_router(nats_url: str, namespace: str, policy: str) -> None:
+    router_id = new_router_id()
+    nc = await connect(nats_url, name=f"genmesh-router-{router_id}", inbox_prefix="_INBOX_router")
+    router = Router(nc, Subjects(namespace), policy=policy, router_id=router_id)
+    await router.start()
+    try:
+        await wait_for_stop_signal()
+        log.info("router %s stopping", router_id)
+    finally:
+        await router.stop()
+        await nc.drain()
+
+
+async def serve_worker(
+    nats_url: str, namespace: str, engine_name: str, worker: WorkerConfig, mock: MockConfig
+) -> None:
+    if engine_name != "mock":
+        raise ValueError(f"unknown engine {engine_name!r}; available: mock")
+    engine = MockEngine(mock)
+    nc = await connect(
+        nats_url, name=f"genmesh-worker-{worker.worker_id}", inbox_prefix="_INBOX_worker"
+    )
+    service = Worker(nc, Subjects(namespace), engine, worker)
+    await service.start()
+    try:
+        await wait_for_stop_signal()
+        log.info("worker %s stopping", worker.worker_id)
+    finally:
+        await service.stop()
+        await nc.drain()
+
+
+def configure_logging(level: str, label: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,51 @@
+"""The engine adapter contract: what a worker needs from the thing that generates tokens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from genmesh.shared.envelope import Envelope
+
+# (token_id, logprob) alternatives at one position, best first.
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """One step of a generation. The last output of a request carries `finish`."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    # Prompt logprobs, once, from `output.prompt_logprobs_start` on; the first entry is None.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    cached_tokens: int | None = None
+    # {"reason": "eos" | "stop" | "length" | "abort", "matched"?: int, "message"?: str}
+    finish: dict[str, Any] | None = None
+    # {"prompt_tokens", "completion_tokens", "cached_tokens"}, with `finish`.
+    usage: dict[str, int] | None = None
+    # Engine-native extras passed through to formats untouched.
+    engine: dict[str, Any] | None = None
+
+
+class Engine(Protocol):
+    """An engine adapter. `generate` is cancelled (CancelledError at an await) to abort.
+
+    Errors are raised as `MeshError`: `invalid_argument` for requests the engine refuses,
+    `unavailable` for engine failures that another worker could survive.
+    """
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for the worker card: at least `model`; `formats` it can serve."""
+        ...
+
+    def generate(self, envelope: Envelope) -> AsyncIterator[EngineOutput]: ...

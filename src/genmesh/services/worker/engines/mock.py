@@ -1,0 +1,270 @@
+"""A deterministic, GPU-free engine.
+
+The next token is a pure function of (seed, every token so far), computed with a rolling
+64-bit hash, so any worker continues any sequence exactly as another would: the property
+mid-stream migration relies on. The mock decodes greedily: the sampled token is the top
+candidate unless min-tokens masking forbids it. Logprobs are derived from the same hash,
+so they too are identical everywhere.
+
+Timing follows Dynamo's mocker polynomials (reference `dynamo-generate.md` §14), divided
+by a speed-up factor; speed-up 0 means an instant engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode, MeshError
+
+_MASK = (1 << 64) - 1
+# The most top-logprob alternatives the mock reports per position (vLLM's default cap).
+MAX_TOP_LOGPROBS = 20
+_GUIDED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "structured_outputs")
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap bijective 64-bit scrambler."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def initial_state(seed: int) -> int:
+    return _mix((seed & _MASK) ^ 0x6A09E667F3BCC909)
+
+
+def advance(state: int, token: int) -> int:
+    return _mix(state ^ token)
+
+
+def prefill_ms(new_tokens: int) -> float:
+    t = float(new_tokens)
+    return 4.209989e-07 * t * t + 1.518344e-02 * t + 16.50142
+
+
+def decode_step_ms(kv_fraction: float) -> float:
+    p = min(max(kv_fraction, 0.0), 1.0)
+    return max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenModel:
+    """The hash-defined "language model": candidates and logprobs at a state."""
+
+    vocab_size: int
+
+    def greedy_logprob(self, state: int) -> float:
+        return round(-0.001 - ((state >> 17) % 3000) / 1000.0, 6)
+
+    def top(self, state: int, k: int) -> TopLogprobs:
+        """The k best candidates, best first; the first is the greedy token."""
+        best = self.greedy_logprob(state)
+        out: TopLogprobs = [(state % self.vocab_size, best)]
+        seen = {out[0][0]}
+        j = 0
+        while len(out) < min(k, self.vocab_size):
+            j += 1
+            h = _mix(state ^ (0xA5A5A5A5 + j))
+            tid = h % self.vocab_size
+            if tid in seen:
+                continue
+            seen.add(tid)
+            rank = len(out)
+            out.append((tid, round(best - 0.25 * rank - ((h >> 13) % 250) / 1000.0, 6)))
+        return out
+
+    def logprob(self, state: int, token: int) -> float:
+        for tid, lp in self.top(state, MAX_TOP_LOGPROBS):
+            if tid == token:
+                return lp
+        # Below every listed alternative, so top lists and token logprobs agree.
+        tail = ((_mix(state ^ token ^ 0x5BD1E995) >> 11) % 4000) / 1000.0
+        return round(self.greedy_logprob(state) - 0.25 * (MAX_TOP_LOGPROBS + 1) - tail, 6)
+
+
+@dataclass(frozen=True, slots=True)
+class MockConfig:
+    model: str = "genmesh-mock"
+    vocab_size: int = 151_936
+    eos_token_id: int = 151_645
+    max_model_len: int = 32_768
+    kv_capacity_tokens: int = 1_048_576
+    # 1.0 = the polynomial timing model in real time; 0 = no delay at all.
+    speedup: float = 0.0
+
+
+class MockEngine:
+    name = "mock"
+
+    def __init__(self, config: MockConfig | None = None) -> None:
+        self.config = config or MockConfig()
+        if self.config.vocab_size < 2:
+            raise ValueError("vocab_size must be at least 2")
+        if not 0 <= self.config.eos_token_id < self.config.vocab_size:
+            raise ValueError("eos_token_id must lie inside the vocabulary")
+        if self.config.speedup < 0:
+            raise ValueError("speedup must be >= 0")
+        self.model = TokenModel(self.config.vocab_size)
+        self._active_kv_tokens = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "model": c.model,
+            "formats": ["*"],
+            "vocab_size": c.vocab_size,
+            "eos_token_id": c.eos_token_id,
+            "max_model_len": c.max_model_len,
+            "speedup": c.speedup,
+        }
+
+    def _check(self, env: Envelope) -> int:
+        """Refuse what the mock cannot do; return the token budget."""
+        c = self.config
+        prompt_len = len(env.token_ids)
+        if prompt_len >= c.max_model_len:
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({c.max_model_len} tokens).",
+            )
+        for i, tid in enumerate(env.token_ids):
+            if tid >= c.vocab_size:
+                raise MeshError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"token id {tid} at position {i} is outside the vocabulary "
+                    f"(size {c.vocab_size})",
+                )
+        native_sampling = env.engine.get("sampling_params")
+        if isinstance(native_sampling, dict):
+            for key in _GUIDED_KEYS:
+                if native_sampling.get(key) is not None:
+                    raise MeshError(
+                        ErrorCode.INVALID_ARGUMENT,
+                        f"the mock engine cannot do guided decoding ({key})",
+                    )
+        lora = env.engine.get("lora_path")
+        if lora is not None:
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"the mock engine serves no LoRA adapters; unknown lora_path {lora!r}",
+            )
+        if env.output.top_logprobs > MAX_TOP_LOGPROBS:
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"at most {MAX_TOP_LOGPROBS} top logprobs per position, "
+                f"asked for {env.output.top_logprobs}",
+            )
+        room = c.max_model_len - prompt_len
+        budget = env.sampling.max_tokens
+        return room if budget is None else min(budget, room)
+
+    async def _sleep_ms(self, ms: float) -> None:
+        if self.config.speedup > 0:
+            await asyncio.sleep(ms / self.config.speedup / 1000.0)
+        else:
+            # Instant, but still a scheduling point: cancellation lands between tokens.
+            await asyncio.sleep(0)
+
+    async def generate(self, env: Envelope) -> AsyncIterator[EngineOutput]:
+        budget = self._check(env)
+        model = self.model
+        prompt = env.token_ids
+        want_lp = env.output.logprobs
+        k = env.output.top_logprobs
+        start = env.output.prompt_logprobs_start
+
+        state = initial_state(env.sampling.seed or 0)
+        prompt_lps: list[float | None] | None = None
+        prompt_tops: list[TopLogprobs | None] | None = None
+        if start is not None:
+            prompt_lps, prompt_tops = [], []
+        for i, tid in enumerate(prompt):
+            if prompt_lps is not None and prompt_tops is not None and start is not None:
+                # SGLang's shift: the first requested position has no logprob.
+                if i == start:
+                    prompt_lps.append(None)
+                    prompt_tops.append(None)
+                elif i > start:
+                    prompt_lps.append(model.logprob(state, tid))
+                    prompt_tops.append(model.top(state, k) if k else None)
+            state = advance(state, tid)
+
+        kv = len(prompt)
+        self._active_kv_tokens += kv
+        try:
+            await self._sleep_ms(prefill_ms(len(prompt)))
+            first = EngineOutput(
+                tokens=[],
+                prompt_logprobs=prompt_lps,
+                prompt_top_logprobs=prompt_tops if k else None,
+                cached_tokens=0,
+            )
+            if budget == 0:
+                first.finish = {"reason": "length"}
+                first.usage = _usage(len(prompt), 0)
+                yield first
+                return
+
+            stops = set(env.sampling.stop_token_ids)
+            eos = self.config.eos_token_id
+            ignore_eos = env.sampling.ignore_eos
+            banned = stops if ignore_eos else stops | {eos}
+            min_tokens = env.sampling.min_tokens
+            pending: EngineOutput | None = first
+            for n in range(budget):
+                if n:
+                    kv_fraction = self._active_kv_tokens / self.config.kv_capacity_tokens
+                    await self._sleep_ms(decode_step_ms(kv_fraction))
+                candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                token, logprob = candidates[0]
+                if n < min_tokens and token in banned:
+                    # Masked like a real engine masks stop logits: take the best allowed one.
+                    token, logprob = next(
+                        ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
+                    )
+                out = pending or EngineOutput(tokens=[])
+                pending = None
+                out.tokens = [token]
+                if want_lp:
+                    out.logprobs = [logprob]
+                if k:
+                    out.top_logprobs = [model.top(state, k)]
+                state = advance(state, token)
+                self._active_kv_tokens += 1
+                kv += 1
+                finish = None
+                if n >= min_tokens and token == eos and not ignore_eos:
+                    finish = {"reason": "eos", "matched": token}
+                elif n >= min_tokens and token in stops:
+                    finish = {"reason": "stop", "matched": token}
+                elif n + 1 == budget:
+                    finish = {"reason": "length"}
+                if finish is not None:
+                    out.finish = finish
+                    out.usage = _usage(len(prompt), n + 1)
+                    yield out
+                    return
+                yield out
+        finally:
+            self._active_kv_tokens -= kv
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": 0,
+    }

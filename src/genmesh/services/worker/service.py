@@ -1,0 +1,338 @@
+"""The worker: admits requests from NATS, runs them on its engine, streams frames back.
+
+The NATS callbacks only decode, admit and spawn (nats-py runs one callback at a time per
+subscription), so a long generation never holds up the next request or a cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
+from genmesh.services.worker.engines.base import Engine, EngineOutput
+from genmesh.shared import frames
+from genmesh.shared.bus import codec_headers, message_codec, publish
+from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
+from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.ids import new_request_id
+from genmesh.shared.subjects import Subjects
+from genmesh.shared.tasks import TaskOwner
+
+log = logging.getLogger(__name__)
+
+# A cancel may overtake its request (it takes one hop, the request two); remember it a while.
+TOMBSTONE_TTL_S = 60.0
+TOMBSTONE_MAX = 100_000
+# Load changes are announced at most this often, so bursts cost one message.
+LOAD_REPORT_MIN_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    worker_id: str
+    max_concurrency: int = 256
+    heartbeat_interval_s: float = 1.0
+    keepalive_interval_s: float = 5.0
+
+
+@dataclass(slots=True)
+class _Active:
+    envelope: Envelope
+    reply: str
+    codec: Codec
+    dispatch: str
+    seq: int = 0
+    last_sent: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[None] | None = None
+    # Why the task is being cancelled: decides the final frame.
+    stop_reason: MeshError | None = None
+
+
+class Worker:
+    def __init__(
+        self, nc: Client, subjects: Subjects, engine: Engine, config: WorkerConfig
+    ) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.engine = engine
+        self.config = config
+        self.subject = subjects.worker_generate(config.worker_id)
+        self._active: dict[str, _Active] = {}
+        self._tombstones: OrderedDict[str, float] = OrderedDict()
+        self._subs: list[Subscription] = []
+        self._tasks = TaskOwner(f"worker {config.worker_id}")
+        self._load_changed = asyncio.Event()
+        self._announcer: asyncio.Task[None] | None = None
+        self._started = time.time()
+        self._stopping = False
+        self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "rejected": 0}
+
+    @property
+    def worker_id(self) -> str:
+        return self.config.worker_id
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self._subs = [
+            await self.nc.subscribe(self.subject, cb=self._on_generate),
+            await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
+            await self.nc.subscribe(self.subjects.query, cb=self._on_query),
+        ]
+        self._announcer = self._tasks.spawn(self._announce_loop(), name="announce")
+        self._tasks.spawn(self._keepalive_loop(), name="keepalive")
+        log.info("worker %s serving %s on %s", self.worker_id, self.engine.name, self.subject)
+
+    async def stop(self) -> None:
+        """Leave discovery first, then end what is in flight as retryable, then close."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._announcer is not None:
+            # No heartbeat may follow the leave, or routers would take us back.
+            self._announcer.cancel()
+            await asyncio.gather(self._announcer, return_exceptions=True)
+        try:
+            await publish(self.nc, self.subjects.leave, get_codec(None), {"id": self.worker_id})
+        except Exception as exc:  # NATS may already be gone
+            log.debug("could not announce leave: %s", exc)
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+        shutdown = MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
+        for active in list(self._active.values()):
+            self._stop_request(active, shutdown)
+        running = [a.task for a in self._active.values() if a.task is not None]
+        if running:
+            await asyncio.wait(running, timeout=5.0)
+        await self._tasks.close()
+        await self.engine.close()
+
+    # ----------------------------------------------------------------- discovery
+
+    def card(self) -> dict[str, Any]:
+        card = {
+            "v": 1,
+            "id": self.worker_id,
+            "subject": self.subject,
+            "engine": self.engine.name,
+            "inflight": self.inflight,
+            "capacity": self.config.max_concurrency,
+            "heartbeat_s": self.config.heartbeat_interval_s,
+            "started": self._started,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        card.update(self.engine.describe())
+        return card
+
+    async def _announce(self) -> None:
+        await publish(self.nc, self.subjects.announce, get_codec(None), self.card())
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self._announce()
+            except Exception as exc:
+                log.warning("announce failed: %s", exc)
+            self._load_changed.clear()
+            try:
+                await asyncio.wait_for(self._load_changed.wait(), self.config.heartbeat_interval_s)
+                await asyncio.sleep(LOAD_REPORT_MIN_INTERVAL_S)
+            except TimeoutError:
+                pass
+
+    async def _on_query(self, msg: Msg) -> None:
+        await self._announce()
+
+    # ----------------------------------------------------------------- requests
+
+    async def _on_generate(self, msg: Msg) -> None:
+        reply = msg.reply
+        try:
+            codec = message_codec(msg)
+        except UnknownCodecError as exc:
+            # Nobody can read a reply in a codec we do not know; JSON is the lingua franca.
+            await self._reject(reply, get_codec("json"), None, ErrorCode.UNKNOWN_CODEC, str(exc))
+            return
+        try:
+            obj = codec.decode(msg.data)
+        except CodecError as exc:
+            await self._reject(reply, codec, None, ErrorCode.BAD_ENVELOPE, str(exc))
+            return
+        try:
+            envelope = Envelope.from_wire(obj)
+        except EnvelopeError as exc:
+            await self._reject(reply, codec, peek_id(obj), ErrorCode.BAD_ENVELOPE, str(exc))
+            return
+        if not reply:
+            log.warning("request %s has no reply subject; dropped", envelope.id)
+            return
+        rid = envelope.id
+        if self._stopping:
+            await self._reject(reply, codec, rid, ErrorCode.UNAVAILABLE, "worker is shutting down")
+            return
+        if rid in self._tombstones:
+            await self._reject(reply, codec, rid, ErrorCode.CANCELLED, "request was cancelled")
+            return
+        if rid in self._active:
+            await self._reject(
+                reply,
+                codec,
+                rid,
+                ErrorCode.INVALID_ARGUMENT,
+                f"request id {rid} is already running",
+            )
+            return
+        if len(self._active) >= self.config.max_concurrency:
+            self.stats["rejected"] += 1
+            await self._reject(
+                reply,
+                codec,
+                rid,
+                ErrorCode.OVERLOADED,
+                f"worker {self.worker_id} is at its limit of "
+                f"{self.config.max_concurrency} concurrent requests",
+            )
+            return
+        active = _Active(envelope, reply, codec, dispatch=new_request_id())
+        self._active[rid] = active
+        self.stats["admitted"] += 1
+        self._load_changed.set()
+        await self._send(active, frames.ack(rid, self.worker_id, active.dispatch))
+        active.task = self._tasks.spawn(self._run(active), name=f"request {rid}")
+
+    async def _reject(
+        self, reply: str, codec: Codec, rid: str | None, code: ErrorCode, message: str
+    ) -> None:
+        log.info("rejected request %s: %s: %s", rid, code.value, message)
+        if not reply:
+            return
+        frame = frames.err(rid, 0, MeshError(code, message))
+        try:
+            await self.nc.publish(reply, codec.encode(frame), headers=codec_headers(codec))
+        except Exception as exc:
+            log.warning("could not send rejection for %s: %s", rid, exc)
+
+    async def _send(self, active: _Active, frame: frames.Frame) -> None:
+        # Numbered before the first await, so concurrent senders (keep-alives) stay in order.
+        frame["seq"] = active.seq
+        active.seq += 1
+        active.last_sent = time.monotonic()
+        codec = active.codec
+        await self.nc.publish(active.reply, codec.encode(frame), headers=codec_headers(codec))
+
+    def _output_frame(self, active: _Active, out: EngineOutput) -> frames.Frame:
+        frame: frames.Frame = {
+            "t": frames.END if out.finish is not None else frames.OUT,
+            "id": active.envelope.id,
+            "tokens": out.tokens,
+        }
+        if out.logprobs is not None:
+            frame["logprobs"] = out.logprobs
+        if out.top_logprobs is not None:
+            frame["top_logprobs"] = out.top_logprobs
+        if out.prompt_logprobs is not None:
+            frame["prompt_logprobs"] = out.prompt_logprobs
+        if out.prompt_top_logprobs is not None:
+            frame["prompt_top_logprobs"] = out.prompt_top_logprobs
+        if out.cached_tokens is not None:
+            frame["cached_tokens"] = out.cached_tokens
+        if out.engine:
+            frame["engine"] = out.engine
+        if out.finish is not None:
+            frame["finish"] = out.finish
+            frame["usage"] = out.usage or {}
+        return frame
+
+    async def _run(self, active: _Active) -> None:
+        rid = active.envelope.id
+        final: MeshError | None = None
+        try:
+            ended = False
+            async for out in self.engine.generate(active.envelope):
+                await self._send(active, self._output_frame(active, out))
+                if out.finish is not None:
+                    ended = True
+                    break
+            if not ended:
+                final = MeshError(ErrorCode.INTERNAL, "engine ended without a finish reason")
+        except asyncio.CancelledError:
+            final = active.stop_reason or MeshError(ErrorCode.CANCELLED, "request was cancelled")
+        except MeshError as exc:
+            final = exc
+        except Exception:
+            log.exception("engine failed on request %s", rid)
+            final = MeshError(ErrorCode.INTERNAL, "internal engine error")
+        finally:
+            self._active.pop(rid, None)
+            self._load_changed.set()
+        if final is None:
+            self.stats["completed"] += 1
+            return
+        if final.code is ErrorCode.CANCELLED:
+            self.stats["cancelled"] += 1
+        try:
+            await self._send(active, frames.err(rid, 0, final))
+        except Exception as exc:
+            log.debug("could not send final error for %s: %s", rid, exc)
+
+    def _stop_request(self, active: _Active, reason: MeshError) -> None:
+        if active.task is not None and not active.task.done():
+            active.stop_reason = reason
+            active.task.cancel()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            obj = message_codec(msg).decode(msg.data)
+        except (UnknownCodecError, CodecError) as exc:
+            log.info("ignored unreadable cancel: %s", exc)
+            return
+        rid = peek_id(obj)
+        if rid is None:
+            log.info("ignored cancel without an id")
+            return
+        active = self._active.get(rid)
+        if active is not None:
+            reason = obj.get("reason") if isinstance(obj, dict) else None
+            message = f"request was cancelled ({reason})" if reason else "request was cancelled"
+            self._stop_request(active, MeshError(ErrorCode.CANCELLED, message))
+            return
+        # Possibly a cancel that overtook its request: remember it for a while.
+        now = time.monotonic()
+        self._tombstones[rid] = now
+        while self._tombstones:
+            oldest, at = next(iter(self._tombstones.items()))
+            if len(self._tombstones) <= TOMBSTONE_MAX and now - at < TOMBSTONE_TTL_S:
+                break
+            del self._tombstones[oldest]
+
+    async def _keepalive_loop(self) -> None:
+        interval = self.config.keepalive_interval_s
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for active in list(self._active.values()):
+                if now - active.last_sent >= interval:
+                    try:
+                        await self._send(active, {"t": frames.KA, "id": active.envelope.id})
+                    except Exception as exc:
+                        log.debug("keep-alive failed for %s: %s", active.envelope.id, exc)

@@ -1,0 +1,104 @@
+"""NATS plumbing shared by every service: connecting, headers, encoding messages."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from genmesh.codecs import Codec, get_codec
+
+log = logging.getLogger(__name__)
+
+CODEC_HEADER = "genmesh-codec"
+VERSION_HEADER = "genmesh-version"
+STATUS_HEADER = "Status"
+NO_RESPONDERS = "503"
+CONNECT_TIMEOUT_S = 2.0
+
+
+class NatsUnreachable(ConnectionError):
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"cannot reach NATS at {url}: {reason}")
+        self.url = url
+
+
+def header(msg: Msg, name: str) -> str | None:
+    """A header of `msg`, matched case-insensitively (other clients may capitalise keys)."""
+    headers = msg.headers
+    if not headers:
+        return None
+    value = headers.get(name)
+    if value is not None:
+        return value
+    lowered = name.lower()
+    for key, val in headers.items():
+        if str(key).lower() == lowered:
+            return val
+    return None
+
+
+def is_no_responders(msg: Msg) -> bool:
+    """The server's reply to a request that reached no subscriber."""
+    return not msg.data and header(msg, STATUS_HEADER) == NO_RESPONDERS
+
+
+def codec_headers(codec: Codec) -> dict[str, str] | None:
+    # The default codec needs no header: one less thing per message on the hot path.
+    if codec.name == "msgpack":
+        return None
+    return {CODEC_HEADER: codec.name}
+
+
+def message_codec(msg: Msg) -> Codec:
+    """The codec named by `msg`'s header; raises UnknownCodecError."""
+    return get_codec(header(msg, CODEC_HEADER))
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    inbox_prefix: str = "_INBOX",
+    reconnect_wait_s: float = 0.5,
+) -> Client:
+    """Connect, failing fast when NATS is unreachable; once up, reconnect forever.
+
+    nats-py runs its reconnect loop on the first connect too (2 minutes of silent retries
+    with the defaults), so the first attempt is made without reconnects and reconnection
+    is switched on afterwards.
+    """
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("NATS (%s): %s", name, exc)
+
+    async def on_disconnected() -> None:
+        log.warning("NATS (%s): disconnected from %s", name, url)
+
+    async def on_reconnected() -> None:
+        log.info("NATS (%s): reconnected", name)
+
+    try:
+        nc = await nats.connect(
+            url,
+            name=name,
+            inbox_prefix=inbox_prefix,
+            allow_reconnect=False,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+        )
+    except Exception as exc:
+        raise NatsUnreachable(url, str(exc) or type(exc).__name__) from exc
+    nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = reconnect_wait_s
+    return nc
+
+
+async def publish(nc: Client, subject: str, codec: Codec, obj: Any, *, reply: str = "") -> None:
+    await nc.publish(subject, codec.encode(obj), reply=reply, headers=codec_headers(codec))

@@ -1,0 +1,170 @@
+"""The live set of workers, kept from their announcements (`docs/protocol.md`, "Discovery").
+
+Workers announce a card at start, on every load change (coalesced) and every heartbeat
+interval; they publish `leave` when they stop cleanly. A worker whose announcements stop
+(SIGKILL, partition) is dropped after `EXPIRY_HEARTBEATS` missed heartbeats. A directory
+that starts late asks every worker to announce at once, so it is complete within a round
+trip instead of a heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from genmesh.codecs import CodecError, UnknownCodecError, get_codec
+from genmesh.shared.bus import message_codec, publish
+from genmesh.shared.ids import is_subject_token
+from genmesh.shared.subjects import Subjects
+from genmesh.shared.tasks import TaskOwner
+
+log = logging.getLogger(__name__)
+
+EXPIRY_HEARTBEATS = 3.0
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    id: str
+    subject: str
+    card: dict[str, Any]
+    last_seen: float
+    inflight: int
+    capacity: int
+    # Requests this process sent since the worker's last load report: load it cannot see yet.
+    sent_since_report: int = 0
+    expires_after: float = field(default=EXPIRY_HEARTBEATS * DEFAULT_HEARTBEAT_S)
+
+    @property
+    def load(self) -> int:
+        return self.inflight + self.sent_since_report
+
+    @property
+    def full(self) -> bool:
+        return self.load >= self.capacity
+
+    @property
+    def model(self) -> str | None:
+        model = self.card.get("model")
+        return model if isinstance(model, str) else None
+
+    def serves(self, fmt: str) -> bool:
+        formats = self.card.get("formats")
+        if not isinstance(formats, list):
+            return True
+        return "*" in formats or fmt in formats
+
+
+Listener = Callable[[str, WorkerInfo], None]
+
+
+class WorkerDirectory:
+    def __init__(self, nc: Client, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.workers: dict[str, WorkerInfo] = {}
+        self._listeners: list[Listener] = []
+        self._sub: Subscription | None = None
+        self._tasks = TaskOwner("worker directory")
+
+    def on_change(self, listener: Listener) -> None:
+        """Call `listener("added" | "removed", worker)` on membership changes."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.subjects.discovery, cb=self._on_message)
+        await publish(self.nc, self.subjects.query, get_codec(None), {})
+        self._tasks.spawn(self._expiry_loop(), name="expiry")
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+        await self._tasks.close()
+
+    def live(self) -> list[WorkerInfo]:
+        return list(self.workers.values())
+
+    def note_sent(self, worker: WorkerInfo) -> None:
+        worker.sent_since_report += 1
+
+    def _emit(self, event: str, worker: WorkerInfo) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event, worker)
+            except Exception:
+                log.exception("discovery listener failed")
+
+    async def _on_message(self, msg: Msg) -> None:
+        if msg.subject == self.subjects.query:
+            return
+        try:
+            obj = message_codec(msg).decode(msg.data)
+        except (UnknownCodecError, CodecError) as exc:
+            log.info("ignored unreadable discovery message: %s", exc)
+            return
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+            log.info("ignored discovery message without a worker id")
+            return
+        if msg.subject == self.subjects.leave:
+            gone = self.workers.pop(obj["id"], None)
+            if gone is not None:
+                log.info("worker %s left", gone.id)
+                self._emit("removed", gone)
+        elif msg.subject == self.subjects.announce:
+            self._update(obj)
+
+    def _update(self, card: dict[str, Any]) -> None:
+        wid = card["id"]
+        subject = card.get("subject")
+        inflight = card.get("inflight", 0)
+        capacity = card.get("capacity", 1)
+        heartbeat = card.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
+        if (
+            not is_subject_token(wid)
+            or not isinstance(subject, str)
+            or not isinstance(inflight, int)
+            or not isinstance(capacity, int)
+            or not isinstance(heartbeat, int | float)
+        ):
+            log.info("ignored malformed worker card for %r", wid)
+            return
+        now = time.monotonic()
+        worker = self.workers.get(wid)
+        if worker is None:
+            worker = WorkerInfo(wid, subject, card, now, inflight, capacity)
+            self.workers[wid] = worker
+            log.info("worker %s joined (%s, model %s)", wid, card.get("engine"), worker.model)
+            self._emit("added", worker)
+        worker.card = card
+        worker.subject = subject
+        worker.last_seen = now
+        worker.inflight = inflight
+        worker.capacity = capacity
+        worker.sent_since_report = 0
+        worker.expires_after = EXPIRY_HEARTBEATS * float(heartbeat)
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if now - worker.last_seen > worker.expires_after:
+                    del self.workers[worker.id]
+                    log.warning(
+                        "worker %s missed its heartbeats for %.1fs; dropped",
+                        worker.id,
+                        now - worker.last_seen,
+                    )
+                    self._emit("removed", worker)

@@ -1,0 +1,313 @@
+"""The request envelope, protocol v1: what a requester sends to a router or a worker.
+
+On the wire it is a map with the field names below (`docs/protocol.md`, "Request
+envelope"). `Envelope.from_wire` is the single place where untrusted maps become typed
+values: anything malformed raises `EnvelopeError` naming the field, and unknown fields are
+ignored so that newer requesters can talk to older workers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class EnvelopeError(ValueError):
+    """A malformed envelope; the message names the offending field."""
+
+
+def _int(
+    obj: dict[str, Any], key: str, where: str, *, default: int | None, minimum: int | None = None
+) -> int | None:
+    value = obj.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EnvelopeError(f"{where}{key}: expected an integer, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise EnvelopeError(f"{where}{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(obj: dict[str, Any], key: str, where: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise EnvelopeError(f"{where}{key}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(obj: dict[str, Any], key: str, where: str, default: bool = False) -> bool:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise EnvelopeError(f"{where}{key}: expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _str(obj: dict[str, Any], key: str, where: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise EnvelopeError(f"{where}{key}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _map(obj: dict[str, Any], key: str) -> dict[str, Any]:
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise EnvelopeError(f"{key}: expected a map, got {type(value).__name__}")
+    return value
+
+
+def token_list(value: Any, where: str) -> list[int]:
+    """Validate a list of token IDs (integers in [0, 2^31))."""
+    if not isinstance(value, list):
+        raise EnvelopeError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    for i, tid in enumerate(value):
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid <= MAX_TOKEN_ID:
+            raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
+    return value
+
+
+def _str_list(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise EnvelopeError(f"{where}: expected a list of strings")
+    return value
+
+
+@dataclass(slots=True)
+class Sampling:
+    """Generation controls every engine understands. None = the engine's default."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Sampling:
+        w = "sampling."
+        sampling = cls(
+            max_tokens=_int(obj, "max_tokens", w, default=None, minimum=0),
+            min_tokens=_int(obj, "min_tokens", w, default=0, minimum=0) or 0,
+            temperature=_float(obj, "temperature", w),
+            top_p=_float(obj, "top_p", w),
+            top_k=_int(obj, "top_k", w, default=None),
+            min_p=_float(obj, "min_p", w),
+            seed=_int(obj, "seed", w, default=None),
+            stop_token_ids=token_list(obj.get("stop_token_ids") or [], "sampling.stop_token_ids"),
+            ignore_eos=_bool(obj, "ignore_eos", w),
+        )
+        if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+            raise EnvelopeError(
+                f"sampling.min_tokens ({sampling.min_tokens}) exceeds "
+                f"sampling.max_tokens ({sampling.max_tokens})"
+            )
+        return sampling
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos}
+        for key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        if self.stop_token_ids:
+            out["stop_token_ids"] = self.stop_token_ids
+        return out
+
+
+@dataclass(slots=True)
+class OutputOptions:
+    """What the engine reports besides token IDs."""
+
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Prompt position from which prompt logprobs are wanted; None = no prompt logprobs.
+    prompt_logprobs_start: int | None = None
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> OutputOptions:
+        w = "output."
+        return cls(
+            logprobs=_bool(obj, "logprobs", w),
+            top_logprobs=_int(obj, "top_logprobs", w, default=0, minimum=0) or 0,
+            prompt_logprobs_start=_int(obj, "prompt_logprobs_start", w, default=None, minimum=0),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.logprobs:
+            out["logprobs"] = True
+        if self.top_logprobs:
+            out["top_logprobs"] = self.top_logprobs
+        if self.prompt_logprobs_start is not None:
+            out["prompt_logprobs_start"] = self.prompt_logprobs_start
+        return out
+
+
+@dataclass(slots=True)
+class Routing:
+    """Hints for the router. Only `worker` and `exclude` are binding."""
+
+    worker: str | None = None
+    exclude: list[str] = field(default_factory=list)
+    dp_rank: int | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    session: str | None = None
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Routing:
+        w = "routing."
+        return cls(
+            worker=_str(obj, "worker", w),
+            exclude=_str_list(obj.get("exclude"), "routing.exclude"),
+            dp_rank=_int(obj, "dp_rank", w, default=None, minimum=0),
+            priority=_int(obj, "priority", w, default=None),
+            cache_salt=_str(obj, "cache_salt", w),
+            session=_str(obj, "session", w),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in ("worker", "dp_rank", "priority", "cache_salt", "session"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        if self.exclude:
+            out["exclude"] = self.exclude
+        return out
+
+
+@dataclass(slots=True)
+class Continuation:
+    """Set on a re-dispatch after a worker failed mid-stream: what was already delivered."""
+
+    attempt: int
+    delivered: int
+    prompt_len: int
+    max_tokens: int | None
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Continuation:
+        w = "continuation."
+        return cls(
+            attempt=_int(obj, "attempt", w, default=1, minimum=1) or 1,
+            delivered=_int(obj, "delivered", w, default=0, minimum=0) or 0,
+            prompt_len=_int(obj, "prompt_len", w, default=0, minimum=0) or 0,
+            max_tokens=_int(obj, "max_tokens", w, default=None, minimum=0),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "delivered": self.delivered,
+            "prompt_len": self.prompt_len,
+            "max_tokens": self.max_tokens,
+        }
+
+
+@dataclass(slots=True)
+class Envelope:
+    id: str
+    token_ids: list[int]
+    format: str = ""
+    model: str | None = None
+    client_id: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    routing: Routing = field(default_factory=Routing)
+    # The format's native request fields, passed through to engines that speak that format.
+    engine: dict[str, Any] = field(default_factory=dict)
+    continuation: Continuation | None = None
+    # Absolute deadline, Unix seconds; None = no deadline.
+    deadline: float | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Envelope:
+        if not isinstance(obj, dict):
+            raise EnvelopeError(f"envelope: expected a map, got {type(obj).__name__}")
+        version = obj.get("v")
+        if version != PROTOCOL_VERSION:
+            raise EnvelopeError(f"v: unsupported protocol version {version!r} (this is v1)")
+        request_id = _str(obj, "id", "")
+        if not request_id:
+            raise EnvelopeError("id: required, a non-empty string")
+        if "token_ids" not in obj:
+            raise EnvelopeError("token_ids: required")
+        token_ids = token_list(obj["token_ids"], "token_ids")
+        if not token_ids:
+            raise EnvelopeError("token_ids: must not be empty")
+        continuation = obj.get("continuation")
+        envelope = cls(
+            id=request_id,
+            token_ids=token_ids,
+            format=_str(obj, "format", "") or "",
+            model=_str(obj, "model", ""),
+            client_id=_str(obj, "client_id", ""),
+            sampling=Sampling.from_wire(_map(obj, "sampling")),
+            output=OutputOptions.from_wire(_map(obj, "output")),
+            routing=Routing.from_wire(_map(obj, "routing")),
+            engine=_map(obj, "engine"),
+            continuation=(
+                Continuation.from_wire(_map(obj, "continuation")) if continuation else None
+            ),
+            deadline=_float(obj, "deadline", ""),
+        )
+        start = envelope.output.prompt_logprobs_start
+        if start is not None and start >= len(token_ids):
+            raise EnvelopeError(
+                f"output.prompt_logprobs_start ({start}) must be below the prompt length "
+                f"({len(token_ids)})"
+            )
+        return envelope
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "v": PROTOCOL_VERSION,
+            "id": self.id,
+            "token_ids": self.token_ids,
+            "format": self.format,
+            "sampling": self.sampling.to_wire(),
+        }
+        for key in ("model", "client_id", "deadline"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        output = self.output.to_wire()
+        if output:
+            out["output"] = output
+        routing = self.routing.to_wire()
+        if routing:
+            out["routing"] = routing
+        if self.engine:
+            out["engine"] = self.engine
+        if self.continuation is not None:
+            out["continuation"] = self.continuation.to_wire()
+        return out
+
+
+def peek_id(obj: Any) -> str | None:
+    """The request ID of a possibly malformed envelope, for addressing an `err` frame."""
+    if isinstance(obj, dict):
+        value = obj.get("id")
+        if isinstance(value, str) and value:
+            return value
+    return None

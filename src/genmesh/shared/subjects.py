@@ -1,0 +1,52 @@
+"""Every NATS subject genmesh uses, in one place (`docs/protocol.md`, "Subjects")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genmesh.shared.ids import is_subject_token
+
+ROUTER_QUEUE_GROUP = "router"
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        if not is_subject_token(self.namespace):
+            raise ValueError(
+                f"namespace {self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ -"
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"genmesh.{self.namespace}"
+
+    @property
+    def router_generate(self) -> str:
+        return f"{self.prefix}.router.generate"
+
+    def worker_generate(self, worker_id: str) -> str:
+        return f"{self.prefix}.worker.{worker_id}.generate"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}.cancel"
+
+    @property
+    def discovery(self) -> str:
+        """Wildcard over the three discovery subjects below."""
+        return f"{self.prefix}.discovery.>"
+
+    @property
+    def announce(self) -> str:
+        return f"{self.prefix}.discovery.announce"
+
+    @property
+    def leave(self) -> str:
+        return f"{self.prefix}.discovery.leave"
+
+    @property
+    def query(self) -> str:
+        return f"{self.prefix}.discovery.query"

@@ -1,0 +1,206 @@
+"""`genmesh up`: a whole mesh on one machine, each service its own OS process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from genmesh.shared.bus import NatsUnreachable, connect
+from genmesh.shared.ids import new_worker_id
+from genmesh.shared.natsserver import NatsServer, NatsServerError
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Child:
+    role: str
+    label: str
+    process: asyncio.subprocess.Process
+
+    @property
+    def running(self) -> bool:
+        return self.process.returncode is None
+
+
+def _say(message: str) -> None:
+    print(f"genmesh up: {message}", file=sys.stderr, flush=True)
+
+
+async def _spawn(role: str, label: str, args: list[str]) -> Child:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "genmesh", role, *args, stdin=asyncio.subprocess.DEVNULL
+    )
+    return Child(role, label, process)
+
+
+async def _probe_nats(url: str) -> None:
+    nc = await connect(url, name="genmesh-up-probe")
+    await nc.close()
+
+
+async def _wait_ready(url: str, children: list[Child]) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            dead = [c for c in children if c.role == "frontend" and not c.running]
+            if dead:
+                return False
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(f"{url}/health") as resp:
+                    if resp.status == 200:
+                        return True
+            await asyncio.sleep(0.1)
+    return False
+
+
+async def _stop(children: list[Child]) -> None:
+    # The frontend first, so no new request enters while the rest goes down.
+    for role in ("frontend", "router", "worker"):
+        group = [c for c in children if c.role == role and c.running]
+        for child in group:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+        for child in group:
+            try:
+                await asyncio.wait_for(child.process.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                _say(f"{child.label} did not stop in {STOP_TIMEOUT_S:g}s; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+                await child.process.wait()
+
+
+async def _watch(children: list[Child], stop: asyncio.Event) -> bool:
+    """Report children that exit on their own until `stop`; True if the frontend died
+    (without a frontend the mesh is over)."""
+    waiters: dict[asyncio.Future[Any], Child] = {
+        asyncio.ensure_future(c.process.wait()): c for c in children
+    }
+    stopped: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({*waiters, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stopped in done:
+                return False
+            for fut in done:
+                child = waiters.pop(fut)
+                _say(f"{child.label} (pid {child.process.pid}) exited with code {fut.result()}")
+                if child.role == "frontend":
+                    return True
+    finally:
+        stopped.cancel()
+        for fut in waiters:
+            fut.cancel()
+
+
+async def _up(args: argparse.Namespace) -> int:
+    server: NatsServer | None = None
+    if args.nats_url:
+        url = args.nats_url
+        try:
+            await _probe_nats(url)
+        except NatsUnreachable as exc:
+            _say(str(exc))
+            return 2
+    else:
+        server = NatsServer()
+        try:
+            url = await asyncio.to_thread(server.start)
+        except NatsServerError as exc:
+            _say(str(exc))
+            return 2
+
+    common = ["--nats-url", url, "--namespace", args.namespace, "--log-level", args.log_level]
+    worker_args = [
+        "--engine", args.engine,
+        "--max-concurrency", str(args.max_concurrency),
+        "--mock-speedup", str(args.mock_speedup),
+        "--mock-model", args.mock_model,
+        "--mock-vocab-size", str(args.mock_vocab_size),
+        "--mock-eos-token-id", str(args.mock_eos_token_id),
+        "--mock-max-model-len", str(args.mock_max_model_len),
+    ]  # fmt: skip
+    children: list[Child] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for i in range(args.routers):
+            children.append(
+                await _spawn(
+                    "router", f"router {i + 1}", [*common, "--router-policy", args.router_policy]
+                )
+            )
+        for _ in range(args.workers):
+            wid = new_worker_id()
+            children.append(
+                await _spawn("worker", f"worker {wid}", [*common, "--worker-id", wid, *worker_args])
+            )
+        children.append(
+            await _spawn(
+                "frontend", "frontend", [*common, "--host", args.host, "--port", str(args.port)]
+            )
+        )
+        http_url = f"http://{args.host}:{args.port}"
+        ready = asyncio.ensure_future(_wait_ready(http_url, children))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if stop.is_set():
+            ready.cancel()
+            return 0
+        if not ready.result():
+            _say("the frontend did not become healthy; stopping")
+            return 1
+        _print_summary(url, server, children, http_url, args)
+        return 1 if await _watch(children, stop) else 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        _say("stopping")
+        await _stop(children)
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+        _say("stopped")
+
+
+def _print_summary(
+    nats_url: str,
+    server: NatsServer | None,
+    children: list[Child],
+    http_url: str,
+    args: argparse.Namespace,
+) -> None:
+    origin = f"embedded, pid {server.pid}" if server else "external"
+    lines = [
+        f"genmesh is up (namespace {args.namespace!r})",
+        f"  NATS      {nats_url}  ({origin})",
+    ]
+    for child in children:
+        if child.role != "frontend":
+            lines.append(f"  {child.role:<9} {child.label.split()[-1]:<10} pid {child.process.pid}")
+    frontend = next(c for c in children if c.role == "frontend")
+    lines += [
+        f"  frontend  {http_url}  pid {frontend.process.pid}  (POST /generate)",
+        "",
+        "Try:",
+        f"  curl -s {http_url}/generate -d "
+        '\'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}\'',
+        "Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    return asyncio.run(_up(args))
