@@ -140,6 +140,7 @@ class Worker:
             "started": self._started,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "stats": dict(self.stats),
         }
         card.update(self.engine.describe())
         return card
