@@ -95,18 +95,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
-    from genmesh.services.run import wait_for_stop_signal
+    return asyncio.run(_nats(args))
+
+
+async def _nats(args: argparse.Namespace) -> int:
+    from genmesh.services.run import stop_signals
 
     server = NatsServer(host=args.host, port=args.nats_port)
-    try:
-        url = server.start()
-    except NatsServerError as exc:
-        return _fail(str(exc))
-    print(f"NATS server listening on {url} (log: {server.log_path}); Ctrl-C stops it", flush=True)
-    try:
-        asyncio.run(wait_for_stop_signal())
-    finally:
-        server.stop()
+    async with stop_signals() as stop:
+        try:
+            url = await asyncio.to_thread(server.start)
+        except NatsServerError as exc:
+            return _fail(str(exc))
+        try:
+            print(f"NATS server listening on {url} (log: {server.log_path}); Ctrl-C stops it")
+            sys.stdout.flush()
+            await stop.wait()
+        finally:
+            await asyncio.to_thread(server.stop)
     return 0
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -26,13 +28,16 @@ from genmesh.shared.subjects import Subjects
 log = logging.getLogger(__name__)
 
 
-async def wait_for_stop_signal() -> None:
+@contextlib.asynccontextmanager
+async def stop_signals() -> AsyncIterator[asyncio.Event]:
+    """An event set by SIGINT or SIGTERM. Enter it before announcing readiness, so that a
+    supervisor's early SIGTERM still means a clean stop, not the default instant death."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        yield stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -52,7 +57,23 @@ class FrontendOptions:
     idle_timeout_s: float
 
 
-async def serve_frontend(opts: FrontendOptions) -> None:
+@dataclass(slots=True)
+class RunningFrontend:
+    """A started frontend: its HTTP runner and what it holds open."""
+
+    state: FrontendState
+    runner: web.AppRunner
+    port: int
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        await self.state.directory.close()
+        await self.state.client.close()
+        await self.state.nc.drain()
+
+
+async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
+    """Connect, discover, and listen (port 0 picks a free port)."""
     formats = load_generate_formats(opts.generate_format)
     subjects = Subjects(opts.namespace)
     nc = await connect(opts.nats_url, name="genmesh-frontend", inbox_prefix="_INBOX_frontend")
@@ -79,31 +100,41 @@ async def serve_frontend(opts: FrontendOptions) -> None:
     # the request in the mesh. Without it aiohttp lets the handler run to the end.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    running = RunningFrontend(state, runner, opts.port)
     try:
         site = web.TCPSite(runner, opts.host, opts.port)
         await site.start()
-        routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)
-        log.info("frontend listening on http://%s:%d (%s)", opts.host, opts.port, routes)
-        await wait_for_stop_signal()
-        log.info("frontend stopping")
-    finally:
-        await runner.cleanup()
-        await directory.close()
-        await client.close()
-        await nc.drain()
+    except BaseException:
+        await running.close()
+        raise
+    running.port = runner.addresses[0][1]
+    routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)
+    log.info("frontend listening on http://%s:%d (%s)", opts.host, running.port, routes)
+    return running
+
+
+async def serve_frontend(opts: FrontendOptions) -> None:
+    async with stop_signals() as stop:
+        running = await start_frontend(opts)
+        try:
+            await stop.wait()
+            log.info("frontend stopping")
+        finally:
+            await running.close()
 
 
 async def serve_router(nats_url: str, namespace: str, policy: str) -> None:
     router_id = new_router_id()
     nc = await connect(nats_url, name=f"genmesh-router-{router_id}", inbox_prefix="_INBOX_router")
     router = Router(nc, Subjects(namespace), policy=policy, router_id=router_id)
-    await router.start()
-    try:
-        await wait_for_stop_signal()
-        log.info("router %s stopping", router_id)
-    finally:
-        await router.stop()
-        await nc.drain()
+    async with stop_signals() as stop:
+        await router.start()
+        try:
+            await stop.wait()
+            log.info("router %s stopping", router_id)
+        finally:
+            await router.stop()
+            await nc.drain()
 
 
 async def serve_worker(
@@ -116,13 +147,14 @@ async def serve_worker(
         nats_url, name=f"genmesh-worker-{worker.worker_id}", inbox_prefix="_INBOX_worker"
     )
     service = Worker(nc, Subjects(namespace), engine, worker)
-    await service.start()
-    try:
-        await wait_for_stop_signal()
-        log.info("worker %s stopping", worker.worker_id)
-    finally:
-        await service.stop()
-        await nc.drain()
+    async with stop_signals() as stop:
+        await service.start()
+        try:
+            await stop.wait()
+            log.info("worker %s stopping", worker.worker_id)
+        finally:
+            await service.stop()
+            await nc.drain()
 
 
 def configure_logging(level: str, label: str) -> None:

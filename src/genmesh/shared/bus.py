@@ -18,6 +18,9 @@ VERSION_HEADER = "genmesh-version"
 STATUS_HEADER = "Status"
 NO_RESPONDERS = "503"
 CONNECT_TIMEOUT_S = 2.0
+# Sent after a stream's terminal frame: an empty message with no headers, which is where
+# `nats req --wait-for-empty` stops. genmesh clients stop at the terminal frame already.
+STREAM_TERMINATOR = b""
 
 
 class NatsUnreachable(ConnectionError):
@@ -67,13 +70,18 @@ async def connect(
 ) -> Client:
     """Connect, failing fast when NATS is unreachable; once up, reconnect forever.
 
-    nats-py runs its reconnect loop on the first connect too (2 minutes of silent retries
-    with the defaults), so the first attempt is made without reconnects and reconnection
-    is switched on afterwards.
+    nats-py runs its reconnect loop on the first connect too (60 tries, 2 s apart, with
+    the defaults), so the first connect gets two quick tries and reconnection without
+    limit is switched on only once connected.
     """
+    connected = False
+    first_errors: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
-        log.warning("NATS (%s): %s", name, exc)
+        if connected:
+            log.warning("NATS (%s): %s", name, exc)
+        else:  # reported once, as NatsUnreachable, by the caller
+            first_errors.append(exc)
 
     async def on_disconnected() -> None:
         log.warning("NATS (%s): disconnected from %s", name, url)
@@ -86,15 +94,17 @@ async def connect(
             url,
             name=name,
             inbox_prefix=inbox_prefix,
-            allow_reconnect=False,
             connect_timeout=CONNECT_TIMEOUT_S,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.1,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
         )
     except Exception as exc:
-        raise NatsUnreachable(url, str(exc) or type(exc).__name__) from exc
-    nc.options["allow_reconnect"] = True
+        cause = first_errors[-1] if first_errors else exc
+        raise NatsUnreachable(url, str(cause) or type(cause).__name__) from exc
+    connected = True
     nc.options["max_reconnect_attempts"] = -1
     nc.options["reconnect_time_wait"] = reconnect_wait_s
     return nc

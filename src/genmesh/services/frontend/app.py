@@ -30,7 +30,7 @@ def build_app(
     for fmt in formats:
         handler = GenerateHandler(fmt, state)
         for route in fmt.routes:
-            app.router.add_route(route.method, route.path, handler)
+            app.router.add_route(route.method, route.path, handler.handle)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     for path in ("/get_model_info", "/model_info"):

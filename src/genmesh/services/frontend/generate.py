@@ -51,7 +51,7 @@ class GenerateHandler:
             self.format.error_body(status, message), status=status, headers=headers, dumps=dumps
         )
 
-    async def __call__(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = time.monotonic()
         try:
             body = await request.read()

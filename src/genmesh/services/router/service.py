@@ -17,7 +17,7 @@ from nats.aio.subscription import Subscription
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.router.policies import Policy, make_policy
 from genmesh.shared import frames
-from genmesh.shared.bus import codec_headers, message_codec
+from genmesh.shared.bus import STREAM_TERMINATOR, codec_headers, message_codec
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -128,5 +128,6 @@ class Router:
         frame = frames.err(rid, 0, error)
         try:
             await self.nc.publish(msg.reply, codec.encode(frame), headers=codec_headers(codec))
+            await self.nc.publish(msg.reply, STREAM_TERMINATOR)
         except Exception as exc:
             log.warning("could not send routing error for %s: %s", rid, exc)

@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.worker.engines.base import Engine, EngineOutput
 from genmesh.shared import frames
-from genmesh.shared.bus import codec_headers, message_codec, publish
+from genmesh.shared.bus import STREAM_TERMINATOR, codec_headers, message_codec, publish
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
@@ -230,6 +230,7 @@ class Worker:
         frame = frames.err(rid, 0, MeshError(code, message))
         try:
             await self.nc.publish(reply, codec.encode(frame), headers=codec_headers(codec))
+            await self.nc.publish(reply, STREAM_TERMINATOR)
         except Exception as exc:
             log.warning("could not send rejection for %s: %s", rid, exc)
 
@@ -273,6 +274,7 @@ class Worker:
                 await self._send(active, self._output_frame(active, out))
                 if out.finish is not None:
                     ended = True
+                    await self.nc.publish(active.reply, STREAM_TERMINATOR)
                     break
             if not ended:
                 final = MeshError(ErrorCode.INTERNAL, "engine ended without a finish reason")
@@ -293,6 +295,7 @@ class Worker:
             self.stats["cancelled"] += 1
         try:
             await self._send(active, frames.err(rid, 0, final))
+            await self.nc.publish(active.reply, STREAM_TERMINATOR)
         except Exception as exc:
             log.debug("could not send final error for %s: %s", rid, exc)
 

@@ -1,0 +1,218 @@
+"""The `genmesh` command: `up` end to end, fail-fast errors, `request`, every `--help`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.mesh import Mesh, free_port, wait_until
+
+GENMESH = [sys.executable, "-m", "genmesh"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
+    env.update(extra)
+    return env
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["up"], ["frontend"], ["router"], ["worker"], ["nats"], ["request"]]
+)
+def test_every_command_has_help(command: list[str]) -> None:
+    out = subprocess.run([*GENMESH, *command, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "usage: genmesh" in out.stdout
+    if command:
+        assert "[env GENMESH_" in out.stdout  # every option names its variable
+
+
+def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "up.log").open("w+")
+    proc = subprocess.Popen(
+        [*GENMESH, "up", "--port", str(port), "--workers", "2", "--routers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=clean_env(GENMESH_MOCK_SPEEDUP="0"),
+    )
+    try:
+        assert proc.stdout is not None
+        summary = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            summary.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        text = "".join(summary)
+        assert "genmesh is up" in text, text + Path(log.name).read_text()
+        assert "NATS      nats://127.0.0.1:" in text
+        assert "(embedded" in text
+        assert f"http://127.0.0.1:{port}" in text
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
+        assert len(pids) == 1 + 2 + 2 + 1  # nats, 2 routers, 2 workers, frontend
+
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/generate",
+            data=json.dumps(
+                {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
+            ).encode(),
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert len(json.load(resp)["output_ids"]) == 3
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10, what="children to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_up_with_unreachable_nats_fails_fast() -> None:
+    started = time.monotonic()
+    out = subprocess.run(
+        [*GENMESH, "up", "--nats-url", "nats://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert "cannot reach NATS at nats://127.0.0.1:1" in out.stderr
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("role", ["frontend", "router", "worker"])
+def test_services_fail_fast_without_nats(role: str) -> None:
+    out = subprocess.run(
+        [*GENMESH, role, "--nats-url", "nats://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert "cannot reach NATS" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_env_vars_configure_commands(nats_url: str) -> None:
+    out = subprocess.run(
+        [*GENMESH, "frontend", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(GENMESH_PORT="9123", GENMESH_NATS_URL=nats_url),
+    )
+    assert "default: 9123" in out.stdout
+    bad = subprocess.run(
+        [*GENMESH, "frontend"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(GENMESH_PORT="not-a-port"),
+    )
+    assert bad.returncode == 2
+    assert "GENMESH_PORT='not-a-port'" in bad.stderr
+
+
+def test_unknown_generate_format_fails_start_up(nats_url: str) -> None:
+    out = subprocess.run(
+        [*GENMESH, "frontend", "--nats-url", nats_url, "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(GENMESH_GENERATE_FORMAT="nope"),
+    )
+    assert out.returncode == 2
+    assert "unknown generate format 'nope'; installed formats: sglang" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_frontend_port_in_use_is_a_clear_error(mesh: Mesh) -> None:
+    out = subprocess.run(
+        [*GENMESH, "frontend", "--nats-url", mesh.nats_url, "--port", str(mesh.http_port)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert "in use" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_request_prints_frames(mesh: Mesh) -> None:
+    out = subprocess.run(
+        [
+            *GENMESH, "request", "--nats-url", mesh.nats_url, "--namespace", mesh.namespace,
+            "--input-ids", "1,2,3", "--max-tokens", "2", "--logprobs", "--codec", "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    frames = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [f["t"] for f in frames] == ["ack", "out", "end"]
+    assert frames[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_request_exits_1_on_err(mesh: Mesh) -> None:
+    out = subprocess.run(
+        [
+            *GENMESH, "request", "--nats-url", mesh.nats_url, "--namespace", mesh.namespace,
+            "--input-ids", "1", "--worker", "nobody",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert json.loads(out.stdout.splitlines()[-1])["code"] == "no_worker"
+
+
+def test_nats_command_serves(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*GENMESH, "nats", "--nats-port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"nats://127.0.0.1:{port}" in line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

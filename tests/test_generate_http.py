@@ -1,0 +1,367 @@
+"""SGLang /generate end to end: HTTP client -> frontend -> NATS -> router -> worker -> back."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from genmesh.client import request
+from genmesh.services.worker.engines.base import EngineOutput
+from genmesh.services.worker.engines.mock import (
+    MockConfig,
+    MockEngine,
+    TokenModel,
+    advance,
+    initial_state,
+)
+from tests.http_util import post, stream
+from tests.mesh import Mesh, wait_until
+
+VOCAB, EOS = 1000, 7  # the shared mesh's mock settings (tests/conftest.py)
+
+
+async def reference(prompt: list[int], **kwargs: Any) -> list[EngineOutput]:
+    """What the mock engine generates in-process, for comparison with the mesh."""
+    engine = MockEngine(MockConfig(vocab_size=VOCAB, eos_token_id=EOS))
+    return [out async for out in engine.generate(request(prompt, **kwargs))]
+
+
+def tokens_of(outputs: list[EngineOutput]) -> list[int]:
+    return [t for out in outputs for t in out.tokens]
+
+
+def seed_whose_first_token_is(token: int, prompt: list[int]) -> int:
+    model = TokenModel(VOCAB)
+    for seed in range(1, 200_000):
+        state = initial_state(seed)
+        for tid in prompt:
+            state = advance(state, tid)
+        if model.top(state, 1)[0][0] == token:
+            return seed
+    raise AssertionError("no seed found")
+
+
+async def test_unary_matches_the_engine(mesh: Mesh) -> None:
+    prompt = [11, 12, 13, 14]
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}},
+    )
+    assert reply.status == 200, reply.body
+    expected = await reference(prompt, max_tokens=12, ignore_eos=True)
+    assert reply.body["output_ids"] == tokens_of(expected)
+    meta = reply.body["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["prompt_tokens"] == 4
+    assert meta["completion_tokens"] == 12
+    assert meta["cached_tokens"] == 0
+    assert isinstance(meta["e2e_latency"], float)
+    assert meta["e2e_latency"] >= 0
+    assert "text" not in reply.body  # a tokenizer-less server sends no text
+    assert "input_token_logprobs" not in meta  # no logprob keys unless asked
+
+
+async def test_put_is_served_like_post(mesh: Mesh) -> None:
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}}
+    a = await post(mesh.http_url + "/generate", body)
+    b = await post(mesh.http_url + "/generate", body, method="PUT")
+    assert a.status == b.status == 200
+    assert a.body["output_ids"] == b.body["output_ids"]
+
+
+async def test_every_worker_gives_the_same_answer(mesh: Mesh) -> None:
+    body = {"input_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_new_tokens": 8}}
+    before = {w["id"]: w["stats"]["admitted"] for w in mesh.server_info()["genmesh"]["workers"]}
+    outputs = {
+        tuple((await post(mesh.http_url + "/generate", body)).body["output_ids"]) for _ in range(6)
+    }
+    assert len(outputs) == 1
+
+    def every_worker_served() -> bool:
+        workers = mesh.server_info()["genmesh"]["workers"]
+        return all(w["stats"]["admitted"] > before[w["id"]] for w in workers)
+
+    wait_until(every_worker_served, timeout=5, what="round robin to use every worker")
+
+
+async def test_sse_is_incremental_and_folds_to_the_unary_body(mesh: Mesh) -> None:
+    body = {
+        "input_ids": [21, 22, 23],
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    sse = await stream(mesh.http_url + "/generate", body)
+    assert sse.status == 200
+    assert sse.headers["Content-Type"].startswith("text/event-stream")
+    assert sse.raw.endswith("data: [DONE]\n\n")
+    assert "event:" not in sse.raw
+    assert "\nid:" not in sse.raw
+    events = sse.events
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert [len(c["output_ids"]) for c in chunks] == [1] * 6  # deltas, one token each
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 6]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert all("e2e_latency" not in c["meta_info"] for c in chunks[:-1])
+    assert "e2e_latency" in chunks[-1]["meta_info"]
+    for c in chunks:
+        meta = c["meta_info"]
+        assert len(meta["output_token_logprobs"]) == len(c["output_ids"]) == 1
+        assert meta["output_token_logprobs"][0][1] == c["output_ids"][0]
+        assert meta["input_token_logprobs"] == [[None, 23, None]]  # repeated on every chunk
+    unary = await post(mesh.http_url + "/generate", body)
+    assert unary.status == 200
+    assert unary.body["output_ids"] == [t for c in chunks for t in c["output_ids"]]
+    meta = unary.body["meta_info"]
+    assert meta["output_token_logprobs"] == [
+        lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]
+    ]
+    assert meta["output_top_logprobs"] == [
+        top for c in chunks for top in c["meta_info"]["output_top_logprobs"]
+    ]
+    assert meta["completion_tokens"] == 6
+    assert meta["input_token_logprobs"] == [[None, 23, None]]
+
+
+async def test_logprobs_match_the_engine(mesh: Mesh) -> None:
+    prompt = [40, 41, 42, 43, 44]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+    }
+    reply = await post(mesh.http_url + "/generate", body)
+    assert reply.status == 200, reply.body
+    meta = reply.body["meta_info"]
+    expected = await reference(
+        prompt,
+        max_tokens=4,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=3,
+        prompt_logprobs_start=0,
+    )
+    first = expected[0]
+    assert first.prompt_logprobs is not None
+    assert first.prompt_top_logprobs is not None
+    assert meta["input_token_logprobs"] == [
+        [lp, tid, None] for lp, tid in zip(first.prompt_logprobs, prompt, strict=True)
+    ]
+    assert meta["input_token_logprobs"][0][0] is None
+    assert meta["input_top_logprobs"][0] is None
+    assert meta["input_top_logprobs"][1] == [
+        [lp, t, None] for t, lp in first.prompt_top_logprobs[1] or []
+    ]
+    out_lps = [lp for out in expected for lp in out.logprobs or []]
+    assert meta["output_token_logprobs"] == [
+        [lp, t, None] for lp, t in zip(out_lps, tokens_of(expected), strict=True)
+    ]
+    for top, (_, token, _) in zip(
+        meta["output_top_logprobs"], meta["output_token_logprobs"], strict=True
+    ):
+        assert len(top) == 3
+        assert top[0][1] == token  # the mock decodes greedily
+        assert top[0][0] >= top[1][0] >= top[2][0]
+
+
+async def test_logprob_start_len_default_gives_one_input_entry(mesh: Mesh) -> None:
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"input_ids": [1, 2, 9], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True},
+    )
+    assert reply.status == 200
+    meta = reply.body["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 9, None]]
+    assert "input_top_logprobs" not in meta  # only with top_logprobs_num > 0
+
+
+async def test_stop_token_ids_end_generation(mesh: Mesh) -> None:
+    prompt = [100, 200, 300]
+    free_run = tokens_of(await reference(prompt, max_tokens=10, ignore_eos=True))
+    stop = free_run[3]
+    assert stop not in free_run[:3], "pick a prompt whose 4th token is new"
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"input_ids": prompt, "sampling_params": {"max_new_tokens": 10, "stop_token_ids": [stop]}},
+    )
+    assert reply.status == 200
+    assert reply.body["output_ids"] == free_run[:4]  # the matched token is included
+    assert reply.body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert reply.body["meta_info"]["completion_tokens"] == 4
+
+
+async def test_min_new_tokens_masks_stop_tokens(mesh: Mesh) -> None:
+    prompt = [100, 200, 300]
+    free_run = tokens_of(await reference(prompt, max_tokens=10, ignore_eos=True))
+    stop = free_run[0]
+    reply = await post(
+        mesh.http_url + "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {
+                "max_new_tokens": 10,
+                "min_new_tokens": 3,
+                "stop_token_ids": [stop],
+            },
+        },
+    )
+    assert reply.status == 200
+    out = reply.body["output_ids"]
+    assert stop not in out[:3]
+    assert len(out) >= 3
+
+
+async def test_eos_ends_generation_unless_ignored(mesh: Mesh) -> None:
+    prompt = [5, 5, 5]
+    seed = seed_whose_first_token_is(EOS, prompt)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "sampling_seed": seed}}
+    reply = await post(mesh.http_url + "/generate", body)
+    assert reply.status == 200
+    assert reply.body["output_ids"] == [EOS]
+    assert reply.body["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+    body["sampling_params"]["ignore_eos"] = True
+    reply = await post(mesh.http_url + "/generate", body)
+    assert len(reply.body["output_ids"]) == 5
+    assert reply.body["output_ids"][0] == EOS
+
+
+async def test_zero_new_tokens(mesh: Mesh) -> None:
+    reply = await post(
+        mesh.http_url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}
+    )
+    assert reply.status == 200
+    assert reply.body["output_ids"] == []
+    assert reply.body["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert reply.body["meta_info"]["completion_tokens"] == 0
+
+
+async def test_rid_is_echoed_and_private_id_stays_inside(mesh: Mesh) -> None:
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"rid": "my-request-1", "input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+    )
+    assert reply.body["meta_info"]["id"] == "my-request-1"
+    assert reply.headers["x-request-id"] == "my-request-1"
+
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+        headers={"X-Request-Id": "from-header"},
+    )
+    assert reply.body["meta_info"]["id"] == "from-header"
+    assert reply.headers["x-request-id"] == "from-header"
+
+    a = await post(
+        mesh.http_url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+    )
+    b = await post(
+        mesh.http_url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+    )
+    public_a, public_b = a.body["meta_info"]["id"], b.body["meta_info"]["id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", public_a)
+    assert public_a != public_b
+    assert a.headers["x-request-id"] == public_a
+    # The public ID is minted at the frontend and never travels: workers never saw it.
+    for worker in mesh.workers:
+        assert public_a not in worker.log()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        ({"text": "hello"}, 400, "send input_ids"),
+        ({}, 400, "Either text or input_ids should be provided."),
+        ({"input_ids": []}, 400, "input_ids cannot be empty."),
+        ({"input_ids": [[1, 2], [3]]}, 400, "batch input"),
+        ({"input_ids": [1], "sampling_params": {"n": 2}}, 400, "sampling_params.n"),
+        ({"input_ids": [1], "sampling_params": [{}, {}]}, 400, "sampling_params"),
+        ({"input_ids": [1], "bogus": 1, "other": 2}, 400, "bogus, other"),
+        ({"input_ids": [1], "bootstrap_room": 5}, 400, "bootstrap_room"),
+        (
+            {"input_ids": [1], "sampling_params": {"top_p": 1.5}},
+            400,
+            "top_p must be in (0, 1], got 1.5.",
+        ),
+        ({"input_ids": [1], "sampling_params": {"stop": ["x"]}}, 400, "stop strings"),
+        (
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+            400,
+            "min_new_tokens must be in [0, max_new_tokens(2)], got 3.",
+        ),
+        (
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
+            400,
+            "logprob_start_len (2) is higher than the number of input tokens (2)",
+        ),
+        ({"input_ids": [1, 5000]}, 400, "outside the vocabulary"),
+        ({"input_ids": [1], "sampling_params": {"json_schema": "{}"}}, 400, "guided decoding"),
+        ({"input_ids": [1], "lora_path": "x"}, 400, "lora_path"),
+    ],
+)
+async def test_bad_requests_get_sglang_errors(
+    mesh: Mesh, body: dict[str, Any], status: int, fragment: str
+) -> None:
+    for streaming in (False, True):
+        reply = await post(mesh.http_url + "/generate", {**body, "stream": streaming})
+        assert reply.status == status, reply.body
+        assert set(reply.body) == {"error"}, reply.body
+        assert fragment in reply.body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"input_ids": "abc"}',
+        b'{"input_ids": [1, "x"]}',
+        b'{"input_ids": [1], "stream": "yes"}',
+    ],
+)
+async def test_malformed_bodies_get_the_legacy_shape(mesh: Mesh, raw: bytes) -> None:
+    reply = await post(mesh.http_url + "/generate", raw)
+    assert reply.status == 400
+    assert reply.body["object"] == "error"
+    assert reply.body["type"] == "Bad Request"
+    assert reply.body["code"] == 400
+    assert reply.body["param"] is None
+    assert reply.body["message"]
+
+
+async def test_engine_rejection_before_streaming_keeps_its_status(mesh: Mesh) -> None:
+    sse = await stream(mesh.http_url + "/generate", {"input_ids": [999_999]})
+    assert sse.status == 400
+    assert "vocabulary" in sse.events[0]["error"]["message"]
+
+
+async def test_info_endpoints_look_like_sglang(mesh: Mesh) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(mesh.http_url + "/health") as r:
+            assert r.status == 200
+        async with s.get(mesh.http_url + "/health_generate") as r:
+            assert r.status == 200
+        for path in ("/get_model_info", "/model_info"):
+            async with s.get(mesh.http_url + path) as r:
+                info = await r.json()
+            assert info["model_path"] == "genmesh-mock"
+            assert info["is_generation"] is True
+            assert {"tokenizer_path", "preferred_sampling_params", "weight_version"} <= set(info)
+        for path in ("/get_server_info", "/server_info"):
+            async with s.get(mesh.http_url + path) as r:
+                info = await r.json()
+            assert info["skip_tokenizer_init"] is True
+            assert info["incremental_streaming_output"] is True
+            assert info["disaggregation_mode"] == "null"
+            assert len(info["genmesh"]["workers"]) == 2
+        async with s.get(mesh.http_url + "/v1/models") as r:
+            models = await r.json()
+        assert models["object"] == "list"
+        assert models["data"][0]["id"] == "genmesh-mock"

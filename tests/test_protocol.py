@@ -1,0 +1,150 @@
+"""The wire protocol against real services: bad input never crashes or wedges them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from genmesh.client import MeshClient, request
+from genmesh.codecs import get_codec
+from genmesh.shared.subjects import Subjects
+from tests.http_util import post
+from tests.mesh import Mesh
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    conn = await nats.connect(nats_url, allow_reconnect=False)
+    yield conn
+    await conn.close()
+
+
+async def ask(
+    nc: Client, subject: str, data: bytes, headers: dict[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Publish with a reply inbox; return the first reply decoded by its codec header."""
+    msg = await nc.request(subject, data, timeout=5, headers=headers)
+    codec = (msg.headers or {}).get("genmesh-codec", "msgpack")
+    return get_codec(codec).decode(msg.data), dict(msg.headers or {})
+
+
+def targets(mesh: Mesh) -> list[str]:
+    subjects = Subjects(mesh.namespace)
+    return [subjects.router_generate, subjects.worker_generate(mesh.workers[0].name)]
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\xc1\xff\x00garbage", b"\x93\x01\x02", b"\xa5hello"])
+async def test_garbage_gets_an_err_frame(mesh: Mesh, nc: Client, garbage: bytes) -> None:
+    for subject in targets(mesh):
+        frame, _ = await ask(nc, subject, garbage)
+        assert frame["t"] == "err"
+        assert frame["code"] == "bad_envelope"
+        assert frame["retryable"] is False
+        assert frame["message"]
+
+
+async def test_unknown_codec_is_answered_in_json(mesh: Mesh, nc: Client) -> None:
+    for subject in targets(mesh):
+        frame, headers = await ask(nc, subject, b"whatever", {"genmesh-codec": "klingon"})
+        assert headers["genmesh-codec"] == "json"
+        assert frame["code"] == "unknown_codec"
+        assert "klingon" in frame["message"]
+        assert "msgpack" in frame["message"]
+
+
+@pytest.mark.parametrize(
+    ("envelope", "fragment"),
+    [
+        ({"v": 1, "id": "x"}, "token_ids"),
+        ({"v": 2, "id": "x", "token_ids": [1]}, "version"),
+        ({"v": 1, "token_ids": [1]}, "id"),
+        ({"v": 1, "id": "x", "token_ids": [1, -4]}, "token_ids[1]"),
+        ({"v": 1, "id": "x", "token_ids": [1], "sampling": {"max_tokens": "many"}}, "max_tokens"),
+        ({"v": 1, "id": "x", "token_ids": [1], "sampling": []}, "sampling"),
+        ([1, 2, 3], "map"),
+    ],
+)
+async def test_malformed_envelopes_name_the_field(
+    mesh: Mesh, nc: Client, envelope: Any, fragment: str
+) -> None:
+    for codec_name in ("msgpack", "json"):
+        codec = get_codec(codec_name)
+        for subject in targets(mesh):
+            frame, headers = await ask(
+                nc, subject, codec.encode(envelope), {"genmesh-codec": codec_name}
+            )
+            assert frame["code"] == "bad_envelope", frame
+            assert fragment in frame["message"]
+            if codec_name == "json":
+                assert headers["genmesh-codec"] == "json"  # replies use the request's codec
+            if isinstance(envelope, dict) and "id" in envelope:
+                assert frame["id"] == envelope["id"]
+
+
+async def test_a_request_without_reply_subject_is_dropped_harmlessly(
+    mesh: Mesh, nc: Client
+) -> None:
+    envelope = get_codec(None).encode(request([1, 2]).to_wire())
+    for subject in targets(mesh):
+        await nc.publish(subject, envelope)
+    await nc.flush()
+    await asyncio.sleep(0.1)
+    assert all(s.alive for s in mesh.services)
+
+
+async def test_services_still_serve_after_abuse(mesh: Mesh, nc: Client) -> None:
+    for _ in range(50):
+        for subject in targets(mesh):
+            await nc.publish(subject, b"\xff" * 10, reply=nc.new_inbox())
+    await nc.publish(Subjects(mesh.namespace).cancel, b"\x00garbage")
+    await nc.publish(Subjects(mesh.namespace).announce, b"\x00garbage")
+    await nc.publish(Subjects(mesh.namespace).announce, get_codec(None).encode({"id": "bad id!"}))
+    await nc.flush()
+    reply = await post(
+        mesh.http_url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert reply.status == 200
+    assert all(s.alive for s in mesh.services)
+
+
+async def test_json_codec_end_to_end(mesh: Mesh, nats_url: str) -> None:
+    async with await MeshClient.connect(nats_url, mesh.namespace, codec="json") as client:
+        frames = [f async for f in client.generate(request([1, 2, 3], max_tokens=3, logprobs=True))]
+    assert [f["t"] for f in frames] == ["ack", "out", "out", "end"]
+    assert [f["seq"] for f in frames] == [0, 1, 2, 3]
+    assert frames[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
+    assert frames[-1]["finish"] == {"reason": "length"}
+    assert all(len(f["logprobs"]) == len(f["tokens"]) == 1 for f in frames[1:])
+
+
+async def test_raw_json_request_like_natscli(mesh: Mesh, nc: Client) -> None:
+    """What `nats req <router subject> '<json>' -H genmesh-codec:json` sends and gets."""
+    inbox = nc.new_inbox()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        await queue.put(msg)
+
+    await nc.subscribe(inbox, cb=on_msg)
+    envelope = {"v": 1, "id": "natscli-1", "token_ids": [4, 5], "sampling": {"max_tokens": 2}}
+    await nc.publish(
+        Subjects(mesh.namespace).router_generate,
+        json.dumps(envelope).encode(),
+        reply=inbox,
+        headers={"genmesh-codec": "json"},
+    )
+    replies = []
+    while True:
+        msg = await asyncio.wait_for(queue.get(), 5)
+        replies.append(msg)
+        if not msg.data:
+            break  # the empty terminator that `nats req --wait-for-empty` waits for
+    frames = [json.loads(m.data) for m in replies[:-1]]
+    assert [f["t"] for f in frames] == ["ack", "out", "end"]
+    assert all(f["id"] == "natscli-1" for f in frames)
