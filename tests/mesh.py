@@ -110,9 +110,23 @@ class Mesh:
         self.services.append(service)
         return service
 
-    def add_router(self, policy: str = "round_robin") -> Service:
+    def add_router(self, policy: str = "round_robin", *, wait: bool = True) -> Service:
         n = sum(s.role == "router" for s in self.services)
-        return self._spawn("router", f"router{n}", ["--router-policy", policy])
+        service = self._spawn("router", f"router{n}", ["--router-policy", policy])
+        if wait:
+            self.wait_for_router(service)
+        return service
+
+    @staticmethod
+    def wait_for_router(service: Service) -> None:
+        """A router is subscribed once it logs its subject."""
+        wait_until(
+            lambda: ".router.generate (policy" in service.log() or not service.alive,
+            timeout=20,
+            what=f"{service.name} to subscribe",
+        )
+        if not service.alive:
+            raise RuntimeError(f"{service.name} died:\n{service.log()}")
 
     def add_worker(
         self,
@@ -200,10 +214,13 @@ def start_mesh(
     mesh = Mesh(nats_url, workdir, namespace)
     try:
         for _ in range(routers):
-            mesh.add_router()
+            mesh.add_router(wait=False)
         ids = [mesh.add_worker(wait=False, **(worker_opts or {})).name for _ in range(workers)]
         mesh.add_frontend(*frontend_args)
         mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
+        for service in mesh.services:
+            if service.role == "router":
+                mesh.wait_for_router(service)
     except BaseException:
         print(mesh.logs())
         mesh.stop()

@@ -67,6 +67,20 @@ async def test_no_router_is_no_responders(own_mesh: Mesh, nats_url: str) -> None
     assert "nothing is subscribed" in frames[-1]["message"]
 
 
+async def test_oversized_and_pathological_bodies(own_mesh: Mesh) -> None:
+    own_mesh.add_router()
+    own_mesh.add_frontend("--body-limit-mb", "0.001")
+    own_mesh.add_worker()
+    reply = await post(own_mesh.http_url + "/generate", {"input_ids": list(range(1000))})
+    assert reply.status == 413
+    assert "larger than the limit of 1048 bytes" in reply.body["error"]["message"]
+    reply = await post(own_mesh.http_url + "/generate", b"[" * 1000)
+    assert reply.status == 400
+    assert reply.body["object"] == "error"
+    reply = await post(own_mesh.http_url + "/generate", {"input_ids": [1, 2]})
+    assert reply.status == 200
+
+
 async def test_several_routers_share_the_load_and_survive_each_other(own_mesh: Mesh) -> None:
     routers = [own_mesh.add_router(), own_mesh.add_router()]
     own_mesh.add_frontend()

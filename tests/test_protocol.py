@@ -148,3 +148,110 @@ async def test_raw_json_request_like_natscli(mesh: Mesh, nc: Client) -> None:
     frames = [json.loads(m.data) for m in replies[:-1]]
     assert [f["t"] for f in frames] == ["ack", "out", "end"]
     assert all(f["id"] == "natscli-1" for f in frames)
+
+
+async def test_router_errors_name_the_cause(mesh: Mesh, nats_url: str) -> None:
+    some_worker = mesh.workers[0].name
+    async with await MeshClient.connect(nats_url, mesh.namespace) as client:
+        unknown_model = request([1], model="no-such-model")
+        frames = [f async for f in client.generate(unknown_model)]
+        assert frames[-1]["code"] == "not_found"
+        assert "no-such-model" in frames[-1]["message"]
+
+        pinned_but_excluded = request([1], worker=some_worker)
+        pinned_but_excluded.routing.exclude = [some_worker]
+        frames = [f async for f in client.generate(pinned_but_excluded)]
+        assert frames[-1]["code"] == "no_worker"
+        assert some_worker in frames[-1]["message"]
+
+
+class FakeWorker:
+    """A hand-written worker on its own subject: the protocol as another language sees it."""
+
+    def __init__(self, nc: Client, subject: str, script: list[dict[str, Any]]) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.script = script
+        self.cancels: list[dict[str, Any]] = []
+
+    async def start(self, cancel_subject: str) -> None:
+        codec = get_codec(None)
+
+        async def on_request(msg: Any) -> None:
+            envelope = codec.decode(msg.data)
+            for frame in self.script:
+                await self.nc.publish(msg.reply, codec.encode({"id": envelope["id"], **frame}))
+
+        async def on_cancel(msg: Any) -> None:
+            self.cancels.append(codec.decode(msg.data))
+
+        await self.nc.subscribe(self.subject, cb=on_request)
+        await self.nc.subscribe(cancel_subject, cb=on_cancel)
+        await self.nc.flush()
+
+
+async def run_fake(
+    nc: Client, nats_url: str, namespace: str, script: list[dict[str, Any]], **client_kwargs: Any
+) -> tuple[list[dict[str, Any]], FakeWorker]:
+    subjects = Subjects(namespace)
+    fake = FakeWorker(nc, subjects.worker_generate("fake"), script)
+    await fake.start(subjects.cancel)
+    async with await MeshClient.connect(nats_url, namespace, **client_kwargs) as client:
+        envelope = request([1, 2])
+        frames = [f async for f in client.generate(envelope, subject=fake.subject)]
+        await asyncio.sleep(0.2)  # let a cancel, if any, arrive
+    return frames, fake
+
+
+async def test_client_skips_frame_types_it_does_not_know(
+    nc: Client, nats_url: str, namespace: str
+) -> None:
+    script = [
+        {"t": "ack", "seq": 0, "worker": "fake", "dispatch": "d"},
+        {"t": "hint-from-the-future", "seq": 1, "whatever": 1},
+        {"t": "out", "seq": 2, "tokens": [5]},
+        {"t": "end", "seq": 3, "tokens": [6], "finish": {"reason": "length"}, "usage": {}},
+    ]
+    frames, fake = await run_fake(nc, nats_url, namespace, script)
+    assert [f["t"] for f in frames] == ["ack", "out", "end"]
+    assert fake.cancels == []  # a stream that ended needs no cancel
+
+
+async def test_client_detects_lost_frames_and_cancels(
+    nc: Client, nats_url: str, namespace: str
+) -> None:
+    script = [
+        {"t": "ack", "seq": 0, "worker": "fake", "dispatch": "d"},
+        {"t": "out", "seq": 2, "tokens": [5]},
+    ]
+    frames, fake = await run_fake(nc, nats_url, namespace, script)
+    assert frames[-1]["t"] == "err"
+    assert frames[-1]["code"] == "unavailable"
+    assert frames[-1]["retryable"] is True
+    assert frames[-1]["origin"] == "client"
+    assert "expected seq 1, got 2" in frames[-1]["message"]
+    assert [c["reason"] for c in fake.cancels] == ["client"]
+
+
+async def test_client_gives_up_on_a_silent_worker(
+    nc: Client, nats_url: str, namespace: str
+) -> None:
+    frames, fake = await run_fake(nc, nats_url, namespace, [], ack_timeout_s=0.3)
+    assert [f["t"] for f in frames] == ["err"]
+    assert frames[0]["code"] == "unavailable"
+    assert "no worker acknowledged the request within 0.3s" in frames[0]["message"]
+    assert len(fake.cancels) == 1
+
+    script = [{"t": "ack", "seq": 0, "worker": "fake", "dispatch": "d"}]
+    frames, _ = await run_fake(nc, nats_url, namespace, script, idle_timeout_s=0.3)
+    assert [f["t"] for f in frames] == ["ack", "err"]
+    assert "no worker sent a frame within 0.3s" in frames[1]["message"]
+
+
+async def test_client_reports_no_responders(nc: Client, nats_url: str, namespace: str) -> None:
+    async with await MeshClient.connect(nats_url, namespace) as client:
+        subject = Subjects(namespace).worker_generate("ghost")
+        frames = [f async for f in client.generate(request([1]), subject=subject)]
+    assert [f["t"] for f in frames] == ["err"]
+    assert frames[0]["code"] == "no_worker"
+    assert subject in frames[0]["message"]

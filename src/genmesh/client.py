@@ -107,9 +107,16 @@ class MeshClient:
 
     @classmethod
     async def connect(
-        cls, url: str, namespace: str = "default", *, name: str = "genmesh-client", **kwargs: Any
+        cls,
+        url: str,
+        namespace: str = "default",
+        *,
+        name: str = "genmesh-client",
+        inbox_prefix: str = "_INBOX_client",
+        **kwargs: Any,
     ) -> MeshClient:
-        nc = await connect(url, name=name)
+        """Connect to NATS (failing fast if unreachable) and start a client on it."""
+        nc = await connect(url, name=name, inbox_prefix=inbox_prefix)
         client = cls(nc, namespace, owns_connection=True, **kwargs)
         await client.start()
         return client
@@ -191,6 +198,8 @@ class MeshClient:
                     return
                 frame = self._read(rid, msg, target, expected_seq)
                 expected_seq += 1
+                if frame["t"] not in frames.TYPES:
+                    continue  # a frame type from a newer protocol: numbered, not understood
                 if frame["t"] not in frames.TERMINAL:
                     yield frame
                     continue

@@ -141,6 +141,8 @@ def cmd_request(args: argparse.Namespace) -> int:
             envelope = Envelope.from_wire(obj)
         except (OSError, ValueError, EnvelopeError) as exc:
             return _fail(f"bad --envelope: {exc}")
+        if args.worker:
+            envelope.routing.worker = args.worker
     elif args.input_ids:
         envelope = request(
             args.input_ids,

@@ -35,7 +35,10 @@ class JsonCodec:
 
     def encode(self, obj: Any) -> bytes:
         try:
-            return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+            # allow_nan=False: NaN and Infinity are not JSON; engines clamp logprobs instead.
+            return json.dumps(
+                obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            ).encode()
         except (TypeError, ValueError) as exc:
             raise CodecError(f"json cannot encode: {exc}") from exc
 

@@ -14,7 +14,6 @@ from genmesh.codecs import Codec, get_codec
 log = logging.getLogger(__name__)
 
 CODEC_HEADER = "genmesh-codec"
-VERSION_HEADER = "genmesh-version"
 STATUS_HEADER = "Status"
 NO_RESPONDERS = "503"
 CONNECT_TIMEOUT_S = 2.0

@@ -37,9 +37,15 @@ def _float(obj: dict[str, Any], key: str, where: str) -> float | None:
     value = obj.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise EnvelopeError(f"{where}{key}: expected a finite number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)  # JSON integers can be too large for a float
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise EnvelopeError(f"{where}{key}: expected a finite number, got {value!r:.40}")
+    return number
 
 
 def _bool(obj: dict[str, Any], key: str, where: str, default: bool = False) -> bool:
@@ -245,7 +251,7 @@ class Envelope:
         if not isinstance(obj, dict):
             raise EnvelopeError(f"envelope: expected a map, got {type(obj).__name__}")
         version = obj.get("v")
-        if version != PROTOCOL_VERSION:
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise EnvelopeError(f"v: unsupported protocol version {version!r} (this is v1)")
         request_id = _str(obj, "id", "")
         if not request_id:
@@ -255,7 +261,7 @@ class Envelope:
         token_ids = token_list(obj["token_ids"], "token_ids")
         if not token_ids:
             raise EnvelopeError("token_ids: must not be empty")
-        continuation = obj.get("continuation")
+        continuation = _map(obj, "continuation")
         envelope = cls(
             id=request_id,
             token_ids=token_ids,
@@ -266,9 +272,7 @@ class Envelope:
             output=OutputOptions.from_wire(_map(obj, "output")),
             routing=Routing.from_wire(_map(obj, "routing")),
             engine=_map(obj, "engine"),
-            continuation=(
-                Continuation.from_wire(_map(obj, "continuation")) if continuation else None
-            ),
+            continuation=Continuation.from_wire(continuation) if continuation else None,
             deadline=_float(obj, "deadline", ""),
         )
         start = envelope.output.prompt_logprobs_start

@@ -125,9 +125,13 @@ def _opt_number(obj: Mapping[str, Any], key: str) -> float | None:
         return None
     if not _is_number(value):
         raise _type_error(f"sampling_params.{key}: Input should be a valid number, got {value!r}")
-    if not math.isfinite(value):
-        raise _value_error(f"{key} must be a finite number, got {value}.")
-    return float(value)
+    try:
+        number = float(value)  # JSON integers can be too large for a float
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _value_error(f"{key} must be a finite number, got {value!r:.40}.")
+    return number
 
 
 def _opt_bool(obj: Mapping[str, Any], key: str, where: str = "") -> bool:
@@ -180,10 +184,10 @@ def _sampling(sp: Mapping[str, Any]) -> Sampling:
         if max_new < 0:
             raise _value_error(f"max_new_tokens must be at least 0, got {max_new}.")
     min_new = _opt_int(sp, "min_new_tokens", "sampling_params.") or 0
-    upper = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
-    if not 0 <= min_new <= upper:
+    # null max_new_tokens is uncapped: then only the lower bound applies, as in SGLang.
+    if min_new < 0 or (max_new is not None and min_new > max_new):
         raise _value_error(
-            f"min_new_tokens must be in [0, max_new_tokens({upper})], got {min_new}."
+            f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}."
         )
     temperature = _opt_number(sp, "temperature")
     if temperature is not None and temperature < 0:
@@ -247,7 +251,7 @@ def _routing(body: Mapping[str, Any], headers: Mapping[str, str]) -> Routing:
 def bind(body_bytes: bytes, headers: Mapping[str, str]) -> Bound:
     try:
         body = json.loads(body_bytes)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise _type_error(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise _type_error(f"request body must be a JSON object, got {type(body).__name__}")

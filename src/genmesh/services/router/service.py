@@ -59,7 +59,7 @@ class Router:
         await self.directory.close()
 
     def choose(self, envelope: Envelope) -> WorkerInfo:
-        """The worker for `envelope`, or MeshError(no_worker | overloaded)."""
+        """The worker for `envelope`, or MeshError (no_worker, not_found, overloaded)."""
         routing = envelope.routing
         workers = self.directory.live()
         if not workers:
@@ -67,11 +67,17 @@ class Router:
                 ErrorCode.NO_WORKER,
                 f"no worker is registered in namespace {self.subjects.namespace!r}",
             )
+        if envelope.model is not None and not any(w.model == envelope.model for w in workers):
+            served = sorted({w.model for w in workers if w.model})
+            raise MeshError(
+                ErrorCode.NOT_FOUND,
+                f"model {envelope.model!r} is not served here; served: {', '.join(served)}",
+            )
         if routing.worker is not None:
             pinned = self.directory.workers.get(routing.worker)
             if pinned is None:
                 raise MeshError(ErrorCode.NO_WORKER, f"worker {routing.worker!r} is not known")
-            return pinned
+            workers = [pinned]
         excluded = set(routing.exclude)
         candidates = [
             w
@@ -81,8 +87,11 @@ class Router:
             and (envelope.model is None or w.model == envelope.model)
         ]
         if not candidates:
-            what = f"model {envelope.model!r}" if envelope.model else f"format {envelope.format!r}"
-            raise MeshError(ErrorCode.NO_WORKER, f"no worker serves {what}")
+            raise MeshError(
+                ErrorCode.NO_WORKER,
+                f"none of the {len(workers)} known workers is eligible "
+                f"(format {envelope.format!r}, excluded: {sorted(excluded) or 'none'})",
+            )
         free = [w for w in candidates if not w.full]
         if not free:
             raise MeshError(

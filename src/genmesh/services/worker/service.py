@@ -129,7 +129,9 @@ class Worker:
     # ----------------------------------------------------------------- discovery
 
     def card(self) -> dict[str, Any]:
-        card = {
+        # The engine's facts first, so they can never shadow the worker's own fields.
+        card = self.engine.describe()
+        card |= {
             "v": 1,
             "id": self.worker_id,
             "subject": self.subject,
@@ -142,7 +144,6 @@ class Worker:
             "pid": os.getpid(),
             "stats": dict(self.stats),
         }
-        card.update(self.engine.describe())
         return card
 
     async def _announce(self) -> None:
@@ -150,11 +151,12 @@ class Worker:
 
     async def _announce_loop(self) -> None:
         while True:
+            # Cleared before publishing: a change during the publish is reported next.
+            self._load_changed.clear()
             try:
                 await self._announce()
             except Exception as exc:
                 log.warning("announce failed: %s", exc)
-            self._load_changed.clear()
             try:
                 await asyncio.wait_for(self._load_changed.wait(), self.config.heartbeat_interval_s)
                 await asyncio.sleep(LOAD_REPORT_MIN_INTERVAL_S)
@@ -162,7 +164,8 @@ class Worker:
                 pass
 
     async def _on_query(self, msg: Msg) -> None:
-        await self._announce()
+        if not self._stopping:  # a late announce would undo our leave
+            await self._announce()
 
     # ----------------------------------------------------------------- requests
 
@@ -321,8 +324,11 @@ class Worker:
             self._stop_request(active, MeshError(ErrorCode.CANCELLED, message))
             return
         # Possibly a cancel that overtook its request: remember it for a while.
+        self._tombstones[rid] = time.monotonic()
+        self._prune_tombstones()
+
+    def _prune_tombstones(self) -> None:
         now = time.monotonic()
-        self._tombstones[rid] = now
         while self._tombstones:
             oldest, at = next(iter(self._tombstones.items()))
             if len(self._tombstones) <= TOMBSTONE_MAX and now - at < TOMBSTONE_TTL_S:
@@ -333,6 +339,7 @@ class Worker:
         interval = self.config.keepalive_interval_s
         while True:
             await asyncio.sleep(interval / 2)
+            self._prune_tombstones()
             now = time.monotonic()
             for active in list(self._active.values()):
                 if now - active.last_sent >= interval:

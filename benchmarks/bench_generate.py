@@ -1,0 +1,900 @@
+"""Benchmark SGLang /generate through the genmesh mesh against a direct-engine baseline.
+
+    .venv/bin/python benchmarks/bench_generate.py [--requests N] [--concurrency 1,32]
+        [--output-tokens 16] [--prompt-tokens 32] [--repeats R] [--json FILE]
+
+Starts a nats-server and a mesh (1 router, 1 instant mock worker, 1 frontend), each its own
+OS process, and the direct-engine baseline (`benchmarks/direct_engine.py`: the same
+MockEngine, format and rendering in one aiohttp process, no NATS). For every mode (sse,
+unary) and concurrency it warms both up, then runs a closed-loop load against mesh and
+baseline alternately, `--repeats` times, and reports the median of the repeats: req/s,
+latency and time-to-first-byte percentiles, errors, and server CPU per request (from
+/proc/<pid>/stat), plus the ratio mesh/baseline. A separate scenario measures how long a
+cancel takes to stop a generation on a (slow) worker. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import nats
+
+from genmesh.client import request as mesh_request
+from genmesh.codecs import CodecError, get_codec
+from genmesh.shared.ids import new_worker_id
+from genmesh.shared.natsserver import NatsServer
+from genmesh.shared.subjects import Subjects
+
+HERE = Path(__file__).resolve().parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+READY_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 60.0
+MESH_PROCS = ("frontend", "router", "worker", "nats")
+NAMESPACE = "bench"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _load_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+# Resolved here, in the parent: the child between fork and exec only calls it.
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the benchmark dies without cleaning up."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+@dataclass
+class Proc:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path | None
+    stopped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopped = True
+        if not self.alive:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class Processes:
+    """Every process the benchmark starts; `stop_all` ends them in a sensible order."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+        self.nats: NatsServer | None = None
+
+    def start_nats(self) -> str:
+        self.nats = NatsServer()
+        url = self.nats.start()
+        assert self.nats.process is not None
+        self.procs.append(Proc("nats", self.nats.process, None))
+        return url
+
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                # Ctrl-C reaches only the benchmark, which then stops everything in order.
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        proc = Proc(name, process, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def spawn_service(self, name: str, role: str, nats_url: str, *args: str) -> Proc:
+        return self.spawn(
+            name,
+            [
+                "-m", "genmesh", role,
+                "--nats-url", nats_url, "--namespace", NAMESPACE, "--log-level", "warning",
+                *args,
+            ],
+        )  # fmt: skip
+
+    def get(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def dead(self) -> list[Proc]:
+        """Processes that exited without being asked to."""
+        return [p for p in self.procs if not p.stopped and not p.alive]
+
+    def check_alive(self) -> None:
+        dead = self.dead()
+        if dead:
+            logs = "\n".join(
+                f"===== {p.name} (exit code {p.process.returncode}) =====\n{p.log_tail()}"
+                for p in dead
+            )
+            raise RuntimeError(f"benchmark process(es) died:\n{logs}")
+
+    def stop_all(self) -> None:
+        order = ("frontend", "router", "direct", "worker", "slow-worker")
+        for name in order:
+            for proc in self.procs:
+                if proc.name == name:
+                    proc.stop()
+        for proc in self.procs:
+            if proc.name != "nats":
+                proc.stop()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of `pid`, in clock ticks (fields 14 and 15 of /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, int]:
+    return {name: cpu_ticks(pid) for name, pid in pids.items()}
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class Target:
+    name: str  # "mesh" or "direct"
+    url: str
+    pids: dict[str, int]  # the server processes whose CPU counts
+    session: aiohttp.ClientSession | None = None
+
+
+@dataclass
+class RunResult:
+    target: str
+    mode: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    latencies_ms: list[float]
+    ttfbs_ms: list[float]
+    errors: int
+    error_kinds: Counter[str]
+    cpu_ms: dict[str, float]
+    client_cpu_ms: float
+
+    def summary(self) -> dict[str, Any]:
+        ok = len(self.latencies_ms)
+        out: dict[str, Any] = {
+            "requests": self.requests,
+            "ok": ok,
+            "errors": self.errors,
+            "wall_s": round(self.wall_s, 4),
+            "req_s": self.requests / self.wall_s if self.wall_s > 0 else 0.0,
+            "cpu_ms_per_req": sum(self.cpu_ms.values()) / self.requests,
+            "cpu_ms_per_req_by_proc": {k: v / self.requests for k, v in self.cpu_ms.items()},
+            "client_cpu_ms_per_req": self.client_cpu_ms / self.requests,
+        }
+        for label, values in (("lat", self.latencies_ms), ("ttfb", self.ttfbs_ms)):
+            for q in (50, 90, 99):
+                out[f"{label}_p{q}_ms"] = percentile(values, q)
+        if self.error_kinds:
+            out["error_kinds"] = dict(self.error_kinds.most_common(5))
+        return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def request_body(prompt_tokens: int, output_tokens: int, stream: bool) -> bytes:
+    body = {
+        "input_ids": [(7 * i + 1) % 50_000 for i in range(prompt_tokens)],
+        "sampling_params": {"max_new_tokens": output_tokens, "ignore_eos": True},
+        "stream": stream,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+class Incomplete(Exception):
+    pass
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, payload: bytes, stream: bool, tokens: int
+) -> tuple[float, float]:
+    """(latency, ttfb) in seconds; raises on any failure or incomplete response."""
+    t0 = time.perf_counter()
+    async with session.post(url, data=payload, headers=JSON_HEADERS) as resp:
+        if resp.status != 200:
+            await resp.read()
+            raise Incomplete(f"HTTP {resp.status}")
+        ttfb = 0.0
+        if stream:
+            count = 0
+            done = finished = False
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                if not ttfb:
+                    ttfb = time.perf_counter() - t0
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise Incomplete("SSE error event")
+                count += len(chunk["output_ids"])
+                finished = chunk["meta_info"]["finish_reason"] is not None
+            if not (done and finished):
+                raise Incomplete("SSE stream ended early")
+        else:
+            parts = [await resp.content.readany()]
+            ttfb = time.perf_counter() - t0
+            while True:
+                part = await resp.content.readany()
+                if not part:
+                    break
+                parts.append(part)
+            count = len(json.loads(b"".join(parts))["output_ids"])
+    latency = time.perf_counter() - t0
+    if count != tokens:
+        raise Incomplete(f"{count} output ids, expected {tokens}")
+    return latency, ttfb
+
+
+async def run_load(
+    target: Target,
+    *,
+    mode: str,
+    requests: int,
+    concurrency: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    procs: Processes,
+    measure: bool = True,
+) -> RunResult:
+    """A closed loop: `concurrency` clients, each sending its next request when one ends."""
+    assert target.session is not None
+    session = target.session
+    stream = mode == "sse"
+    payload = request_body(prompt_tokens, output_tokens, stream)
+    url = target.url + "/generate"
+    issued = itertools.count()
+    latencies: list[float] = []
+    ttfbs: list[float] = []
+    errors: Counter[str] = Counter()
+
+    async def client() -> None:
+        while next(issued) < requests:
+            try:
+                latency, ttfb = await one_request(session, url, payload, stream, output_tokens)
+            except (aiohttp.ClientError, OSError, Incomplete, ValueError, KeyError) as exc:
+                errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
+                continue
+            latencies.append(latency * 1000.0)
+            ttfbs.append(ttfb * 1000.0)
+
+    before = cpu_snapshot(target.pids) if measure else {}
+    client_before = os.times()
+    start = time.perf_counter()
+    load = asyncio.gather(*(client() for _ in range(min(concurrency, requests))))
+    while True:
+        # A service that dies mid-run would leave requests hanging until their timeouts.
+        done, _ = await asyncio.wait({load}, timeout=0.5)
+        if done:
+            break
+        if procs.dead():
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+            procs.check_alive()
+    load.result()
+    wall = time.perf_counter() - start
+    client_after = os.times()
+    after = cpu_snapshot(target.pids) if measure else {}
+    cpu = {name: (after[name] - before[name]) * 1000.0 / CLK_TCK for name in before}
+    client_cpu = (
+        client_after.user + client_after.system - client_before.user - client_before.system
+    ) * 1000.0
+    return RunResult(
+        target=target.name,
+        mode=mode,
+        concurrency=concurrency,
+        requests=requests,
+        wall_s=wall,
+        latencies_ms=latencies,
+        ttfbs_ms=ttfbs,
+        errors=sum(errors.values()),
+        error_kinds=errors,
+        cpu_ms=cpu,
+        client_cpu_ms=client_cpu,
+    )
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+async def wait_http_ok(
+    session: aiohttp.ClientSession, url: str, procs: Processes, what: str
+) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{what} did not answer 200 on {url} within {READY_TIMEOUT_S:g}s")
+
+
+async def wait_generate_ok(target: Target, procs: Processes) -> None:
+    """One request end to end (the router may learn of the worker after the frontend)."""
+    assert target.session is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last = ""
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        try:
+            await one_request(
+                target.session, target.url + "/generate", request_body(4, 2, False), False, 2
+            )
+            return
+        except (aiohttp.ClientError, OSError, TimeoutError, Incomplete) as exc:
+            last = str(exc)
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{target.name}: /generate did not succeed: {last}")
+
+
+async def worker_known(session: aiohttp.ClientSession, http_url: str, worker_id: str) -> bool:
+    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        async with session.get(http_url + "/get_server_info") as resp:
+            info = await resp.json()
+            return worker_id in {w["id"] for w in info["genmesh"]["workers"]}
+    return False
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+async def cancel_scenario(
+    nats_url: str, worker_id: str, trials: int, prompt_tokens: int
+) -> dict[str, Any]:
+    """Open a stream on the slow worker, cancel after its 2nd `out` frame, time the `err`.
+
+    Raw nats-py, not MeshClient: MeshClient stops listening when its generator is closed,
+    and the point is to see the worker's final `err` frame arrive.
+    """
+    subjects = Subjects(NAMESPACE)
+    codec = get_codec(None)
+    nc = await nats.connect(nats_url, name="genmesh-bench-cancel")
+    inbox = nc.new_inbox()
+    queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+
+    async def on_reply(msg: Any) -> None:
+        queue = queues.get(msg.subject)
+        # Empty messages (a stream terminator after the last frame) carry no frame.
+        if queue is not None and msg.data:
+            try:
+                queue.put_nowait(codec.decode(msg.data))
+            except CodecError:
+                queue.put_nowait({"t": "unreadable"})
+
+    sub = await nc.subscribe(f"{inbox}.*", cb=on_reply)
+    latencies: list[float] = []
+    steps: list[float] = []
+    failures: Counter[str] = Counter()
+    prompt = list(range(1, prompt_tokens + 1))
+    try:
+        trial = 0
+        attempts = 0
+        while trial < trials:
+            attempts += 1
+            if attempts > trials * 3:
+                break
+            reply = f"{inbox}.{attempts}"
+            queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+            queues[reply] = queue
+            envelope = mesh_request(prompt, max_tokens=4096, ignore_eos=True, worker=worker_id)
+            await nc.publish(
+                subjects.router_generate, codec.encode(envelope.to_wire()), reply=reply
+            )
+            outs = 0
+            out_at: list[float] = []
+            cancelled_at = 0.0
+            try:
+                async with asyncio.timeout(15.0):
+                    while True:
+                        frame = await queue.get()
+                        kind = frame.get("t")
+                        if kind == "out":
+                            outs += 1
+                            out_at.append(time.perf_counter())
+                            if outs == 2 and not cancelled_at:
+                                cancelled_at = time.perf_counter()
+                                await nc.publish(
+                                    subjects.cancel,
+                                    codec.encode({"id": envelope.id, "reason": "bench"}),
+                                )
+                        elif kind in ("err", "end", "unreadable"):
+                            break
+            except TimeoutError:
+                failures["timeout"] += 1
+                trial += 1
+                continue
+            finally:
+                queues.pop(reply, None)
+            if kind == "err" and frame.get("code") == "no_worker" and not cancelled_at:
+                await asyncio.sleep(0.1)  # the router has not heard of the worker yet
+                continue
+            trial += 1
+            if kind == "err" and frame.get("code") == "cancelled" and cancelled_at:
+                latencies.append((time.perf_counter() - cancelled_at) * 1000.0)
+                steps.append((out_at[1] - out_at[0]) * 1000.0)
+            else:
+                failures[f"{kind}: {frame.get('code')}"] += 1
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        await nc.drain()
+    return {
+        "trials": trials,
+        "ok": len(latencies),
+        "failures": dict(failures),
+        "p50_ms": percentile(latencies, 50),
+        "p90_ms": percentile(latencies, 90),
+        "p99_ms": percentile(latencies, 99),
+        "max_ms": max(latencies) if latencies else float("nan"),
+        "token_interval_p50_ms": percentile(steps, 50),
+    }
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def median_of(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each metric's median over the repeats (errors: the total)."""
+    keys = [k for k, v in summaries[0].items() if isinstance(v, int | float)]
+    out: dict[str, Any] = {k: statistics.median(s[k] for s in summaries) for k in keys}
+    out["errors"] = sum(s["errors"] for s in summaries)
+    procs = summaries[0]["cpu_ms_per_req_by_proc"]
+    out["cpu_ms_per_req_by_proc"] = {
+        p: statistics.median(s["cpu_ms_per_req_by_proc"][p] for s in summaries) for p in procs
+    }
+    out["req_s_min"] = min(s["req_s"] for s in summaries)
+    out["req_s_max"] = max(s["req_s"] for s in summaries)
+    return out
+
+
+RATIO_KEYS = (
+    "req_s",
+    "lat_p50_ms",
+    "lat_p90_ms",
+    "lat_p99_ms",
+    "ttfb_p50_ms",
+    "ttfb_p99_ms",
+    "cpu_ms_per_req",
+)
+
+
+def ratios(mesh: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key in RATIO_KEYS:
+        d = direct[key]
+        out[key] = mesh[key] / d if d else float("nan")
+    return out
+
+
+COLUMNS = (
+    # header, width, key, format
+    ("mode", 5, "mode", "s"),
+    ("conc", 4, "concurrency", "d"),
+    ("target", 6, "target", "s"),
+    ("req/s", 7, "req_s", ".0f"),
+    ("p50", 6, "lat_p50_ms", ".2f"),
+    ("p90", 6, "lat_p90_ms", ".2f"),
+    ("p99", 6, "lat_p99_ms", ".2f"),
+    ("ttfb50", 6, "ttfb_p50_ms", ".2f"),
+    ("ttfb99", 6, "ttfb_p99_ms", ".2f"),
+    ("err", 3, "errors", "d"),
+    ("cpu/req", 7, "cpu_ms_per_req", ".3f"),
+    ("fe", 5, "frontend", ".3f"),
+    ("router", 6, "router", ".3f"),
+    ("worker", 6, "worker", ".3f"),
+    ("nats", 5, "nats", ".3f"),
+    ("client", 6, "client_cpu_ms_per_req", ".3f"),
+)
+
+
+def _cell(value: Any, width: int, fmt: str) -> str:
+    if value is None:
+        return " " * (width - 1) + "-"
+    if fmt == "ratio":
+        return f"{value:.2f}x".rjust(width)
+    return f"{value:{fmt}}".rjust(width) if fmt != "s" else f"{value:<{width}}"
+
+
+def render_table(results: list[dict[str, Any]]) -> str:
+    header = "  ".join(
+        f"{h:<{w}}" if fmt == "s" else f"{h:>{w}}" for h, w, _, fmt in COLUMNS
+    ).rstrip()
+    lines = [header, "-" * len(header)]
+    for res in results:
+        for row_name in ("mesh", "direct", "ratio"):
+            if row_name == "ratio":
+                data: dict[str, Any] = res["ratio"]
+            else:
+                data = dict(res[row_name])
+                data.update(data.pop("cpu_ms_per_req_by_proc"))
+            cells = []
+            for _, width, key, fmt in COLUMNS:
+                if key == "mode":
+                    value: Any = res["mode"] if row_name == "mesh" else ""
+                    cells.append(_cell(value, width, "s"))
+                elif key == "concurrency":
+                    cells.append(_cell(res["concurrency"], width, "d"))
+                elif key == "target":
+                    cells.append(_cell("m/d" if row_name == "ratio" else row_name, width, "s"))
+                elif row_name == "ratio":
+                    value = data.get(key)
+                    cells.append(_cell(value, width, "ratio") if value is not None else " " * width)
+                else:
+                    cells.append(_cell(data.get(key), width, fmt))
+            lines.append("  ".join(cells).rstrip())
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _csv_ints(value: str) -> list[int]:
+    numbers = [int(part) for part in value.split(",") if part.strip()]
+    if not numbers or any(n < 1 for n in numbers):
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,32: {value!r}")
+    return numbers
+
+
+def _modes(value: str) -> list[str]:
+    modes = [part.strip() for part in value.split(",") if part.strip()]
+    if not modes or any(m not in ("sse", "unary") for m in modes):
+        raise argparse.ArgumentTypeError(f"modes are sse and unary: {value!r}")
+    return modes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="genmesh mesh vs direct-engine benchmark for SGLang /generate",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=4000, help="requests per measured run")
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 32], help="e.g. 1,32")
+    p.add_argument("--modes", type=_modes, default=["sse", "unary"], help="sse,unary")
+    p.add_argument("--output-tokens", type=int, default=16, help="max_new_tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="input_ids per request")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per target")
+    p.add_argument(
+        "--warmup", type=int, default=100, help="warm-up requests per target and combination"
+    )
+    p.add_argument("--cancel-trials", type=int, default=30, help="0 skips the cancel scenario")
+    p.add_argument(
+        "--cancel-speedup", type=float, default=0.05, help="mock speed-up of the slow worker"
+    )
+    p.add_argument("--json", metavar="FILE", help="also save every result as JSON")
+    p.add_argument("--keep-logs", action="store_true", help="keep the service logs directory")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.repeats < 1 or args.output_tokens < 1:
+        p.error("--requests, --repeats and --output-tokens must be at least 1")
+    if args.prompt_tokens < 1:
+        p.error("--prompt-tokens must be at least 1")
+    return args
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+async def bench(
+    args: argparse.Namespace, procs: Processes, nats_url: str, ports: dict[str, int]
+) -> dict[str, Any]:
+    mesh = Target(
+        "mesh",
+        f"http://127.0.0.1:{ports['frontend']}",
+        {name: procs.get(name).pid for name in MESH_PROCS},
+    )
+    direct = Target(
+        "direct", f"http://127.0.0.1:{ports['direct']}", {"direct": procs.get("direct").pid}
+    )
+    limit = max(args.concurrency)
+    for target in (mesh, direct):
+        target.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=120),
+            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+        )
+    try:
+        assert mesh.session is not None
+        assert direct.session is not None
+        await wait_http_ok(mesh.session, mesh.url + "/health", procs, "the frontend")
+        await wait_http_ok(direct.session, direct.url + "/health", procs, "the direct engine")
+        await wait_generate_ok(mesh, procs)
+        await wait_generate_ok(direct, procs)
+        say("mesh and baseline are ready")
+
+        results: list[dict[str, Any]] = []
+        shape = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
+        for mode in args.modes:
+            for conc in args.concurrency:
+                for target in (mesh, direct):
+                    await run_load(
+                        target,
+                        mode=mode,
+                        requests=max(min(args.warmup, args.requests), conc),
+                        concurrency=conc,
+                        procs=procs,
+                        measure=False,
+                        **shape,
+                    )
+                runs: dict[str, list[dict[str, Any]]] = {"mesh": [], "direct": []}
+                for rep in range(args.repeats):
+                    # Alternate which goes first, so neither always gets the quieter slot.
+                    order = (mesh, direct) if rep % 2 == 0 else (direct, mesh)
+                    for target in order:
+                        run = await run_load(
+                            target,
+                            mode=mode,
+                            requests=args.requests,
+                            concurrency=conc,
+                            procs=procs,
+                            **shape,
+                        )
+                        procs.check_alive()
+                        summary = run.summary()
+                        runs[target.name].append(summary)
+                        say(
+                            f"{mode:<5} c={conc:<3} rep {rep + 1}/{args.repeats} "
+                            f"{target.name:<6} {summary['req_s']:7.0f} req/s  "
+                            f"p50 {summary['lat_p50_ms']:6.2f} ms  "
+                            f"p99 {summary['lat_p99_ms']:6.2f} ms  "
+                            f"cpu {summary['cpu_ms_per_req']:.3f} ms/req  "
+                            f"errors {summary['errors']}"
+                        )
+                        if run.error_kinds:
+                            say(f"  errors: {dict(run.error_kinds.most_common(3))}")
+                m, d = median_of(runs["mesh"]), median_of(runs["direct"])
+                results.append(
+                    {
+                        "mode": mode,
+                        "concurrency": conc,
+                        "mesh": m,
+                        "direct": d,
+                        "ratio": ratios(m, d),
+                        "repeats": runs,
+                    }
+                )
+
+        cancel: dict[str, Any] | None = None
+        if args.cancel_trials > 0:
+            cancel = await run_cancel(args, procs, nats_url, mesh)
+        return {"results": results, "cancel": cancel}
+    finally:
+        for target in (mesh, direct):
+            if target.session is not None:
+                await target.session.close()
+
+
+async def run_cancel(
+    args: argparse.Namespace, procs: Processes, nats_url: str, mesh: Target
+) -> dict[str, Any]:
+    # Started only now: while it is up, the router would send it unpinned requests too.
+    slow_id = "wslow" + new_worker_id()[1:]
+    procs.spawn_service(
+        "slow-worker",
+        "worker",
+        nats_url,
+        "--worker-id", slow_id,
+        "--mock-speedup", str(args.cancel_speedup),
+    )  # fmt: skip
+    assert mesh.session is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not await worker_known(mesh.session, mesh.url, slow_id):
+        procs.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the slow worker {slow_id} was not discovered")
+        await asyncio.sleep(0.1)
+    say(f"cancel scenario: {args.cancel_trials} trials on worker {slow_id}")
+    cancel = await cancel_scenario(nats_url, slow_id, args.cancel_trials, args.prompt_tokens)
+    procs.get("slow-worker").stop()
+    return cancel
+
+
+def loadavg() -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path("/proc/loadavg").read_text().split()[:3]
+    return ["?"]
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": loadavg(),
+    }
+
+
+def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    print()
+    print(
+        f"genmesh /generate benchmark: {args.requests} requests/run, "
+        f"prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens, "
+        f"median of {args.repeats} repeats; {report['env']['cpus']} CPUs, "
+        f"loadavg at start {' '.join(report['env']['loadavg_at_start'])}, "
+        f"at end {' '.join(report['env']['loadavg_at_end'])}"
+    )
+    print(
+        "latencies in ms (client-side); cpu = server CPU ms per request: total, then per "
+        "mesh process (fe = frontend); client = the load generator's own CPU ms per request; "
+        "m/d = mesh / direct"
+    )
+    print()
+    print(render_table(report["results"]), flush=True)
+    cancel = report.get("cancel")
+    if cancel:
+        print()
+        print(
+            f"cancellation (cancel published -> worker's err 'cancelled' received), "
+            f"{cancel['ok']}/{cancel['trials']} trials, worker speed-up {args.cancel_speedup:g} "
+            f"(~{cancel['token_interval_p50_ms']:.0f} ms/token):"
+        )
+        print(
+            f"  p50 {cancel['p50_ms']:.2f} ms   p90 {cancel['p90_ms']:.2f} ms   "
+            f"p99 {cancel['p99_ms']:.2f} ms   max {cancel['max_ms']:.2f} ms"
+            + (f"   failures {cancel['failures']}" if cancel["failures"] else "")
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="genmesh-bench-"))
+    procs = Processes(workdir)
+    failed = True
+    # SIGTERM ends the benchmark like Ctrl-C: through the finally below.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        env = environment()
+        started = time.monotonic()
+        nats_url = procs.start_nats()
+        ports = {"frontend": free_port(), "direct": free_port()}
+        procs.spawn_service("router", "router", nats_url)
+        procs.spawn_service("worker", "worker", nats_url, "--mock-speedup", "0")
+        procs.spawn_service(
+            "frontend",
+            "frontend",
+            nats_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["frontend"]),
+        )
+        procs.spawn(
+            "direct",
+            [str(HERE / "direct_engine.py"), "--host", "127.0.0.1", "--port", str(ports["direct"])],
+        )
+        say(f"started nats, router, worker, frontend, direct engine (logs in {workdir})")
+        report = asyncio.run(bench(args, procs, nats_url, ports))
+        env["loadavg_at_end"] = loadavg()
+        report["env"] = env
+        report["config"] = {
+            k: getattr(args, k)
+            for k in (
+                "requests",
+                "concurrency",
+                "modes",
+                "output_tokens",
+                "prompt_tokens",
+                "repeats",
+                "warmup",
+                "cancel_trials",
+                "cancel_speedup",
+            )
+        }
+        report["elapsed_s"] = round(time.monotonic() - started, 1)
+        print_report(args, report)
+        print(f"\n(took {report['elapsed_s']:.0f} s)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            say(f"results saved to {args.json}")
+        failed = False
+        return 0
+    except KeyboardInterrupt:
+        failed = False
+        say("interrupted; stopping")
+        return 130
+    except Exception as exc:
+        say(f"failed: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        # Ctrl-C during the cleanup must not leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        procs.stop_all()
+        if failed or args.keep_logs:
+            say(f"service logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
