@@ -16,7 +16,7 @@ from aiohttp import web
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.services.frontend.app import build_app
-from genmesh.services.frontend.state import FrontendState
+from genmesh.services.frontend.state import FrontendState, MeshBackend
 from genmesh.services.router.service import Router
 from genmesh.services.worker.engines.mock import MockConfig, MockEngine
 from genmesh.services.worker.service import Worker, WorkerConfig
@@ -67,9 +67,7 @@ class RunningFrontend:
 
     async def close(self) -> None:
         await self.runner.cleanup()
-        await self.state.directory.close()
-        await self.state.client.close()
-        await self.state.nc.drain()
+        await self.state.backend.close()
 
 
 async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
@@ -88,9 +86,7 @@ async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
     directory = WorkerDirectory(nc, subjects)
     await directory.start()
     state = FrontendState(
-        nc=nc,
-        client=client,
-        directory=directory,
+        backend=MeshBackend(nc, client, directory, opts.namespace),
         namespace=opts.namespace,
         default_model=opts.model,
         started=time.time(),

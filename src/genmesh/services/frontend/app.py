@@ -43,7 +43,7 @@ def build_app(
 
 async def health(request: web.Request) -> web.Response:
     """200 once NATS is connected and a worker is known; 503 (with the reason) before."""
-    reason = request.app[STATE].not_ready_reason()
+    reason = request.app[STATE].backend.not_ready_reason()
     if reason:
         return web.Response(status=503, text=reason)
     return web.Response(status=200)
@@ -52,7 +52,7 @@ async def health(request: web.Request) -> web.Response:
 async def health_generate(request: web.Request) -> web.Response:
     """Generates one token through the whole mesh, as SGLang's probe does."""
     state = request.app[STATE]
-    reason = state.not_ready_reason()
+    reason = state.backend.not_ready_reason()
     if reason:
         return web.Response(status=503, text=reason)
     envelope = Envelope(
@@ -62,7 +62,7 @@ async def health_generate(request: web.Request) -> web.Response:
         client_id="HEALTH_CHECK",
         sampling=Sampling(max_tokens=1, temperature=0.0),
     )
-    stream = state.client.generate(envelope)
+    stream = state.backend.generate(envelope)
     with contextlib.suppress(TimeoutError):
         async with contextlib.aclosing(stream), asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
             async for frame in stream:
@@ -71,12 +71,6 @@ async def health_generate(request: web.Request) -> web.Response:
                 if frame["t"] == frames.ERR:
                     return web.Response(status=503, text=str(frame.get("message")))
     return web.Response(status=503, text="health generation timed out")
-
-
-def _max_model_len(state: FrontendState) -> int | None:
-    lengths = [w.card.get("max_model_len") for w in state.directory.live()]
-    known = [n for n in lengths if isinstance(n, int)]
-    return min(known) if known else None
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -99,8 +93,8 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    workers = state.directory.live()
-    max_len = _max_model_len(state)
+    workers = state.backend.workers()
+    max_len = state.max_model_len()
     return web.json_response(
         {
             "model_path": state.models()[0],
@@ -117,8 +111,8 @@ async def server_info(request: web.Request) -> web.Response:
             "internal_states": [{"num_workers": len(workers)}],
             "genmesh": {
                 "namespace": state.namespace,
-                "nats_connected": state.nc.is_connected,
-                "workers": [w.card for w in workers],
+                "ready": state.backend.not_ready_reason() is None,
+                "workers": workers,
             },
         },
         dumps=dumps,
@@ -127,7 +121,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    max_len = _max_model_len(state)
+    max_len = state.max_model_len()
     return web.json_response(
         {
             "object": "list",

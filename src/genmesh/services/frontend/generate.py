@@ -65,7 +65,7 @@ class GenerateHandler:
 
         public_id = bound.client_id or new_public_id()
         headers = {"x-request-id": public_id}
-        not_ready = self.state.not_ready_reason()
+        not_ready = self.state.backend.not_ready_reason()
         if not_ready:
             return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
 
@@ -73,7 +73,7 @@ class GenerateHandler:
         envelope.id = new_request_id()
         exchange = self.format.exchange(bound, public_id, received_at)
         log.debug("request %s (client id %s) dispatched", envelope.id, bound.client_id)
-        stream = self.state.client.generate(envelope)
+        stream = self.state.backend.generate(envelope)
         try:
             async with contextlib.aclosing(stream):
                 if bound.stream:

@@ -1,32 +1,81 @@
-"""What the frontend's handlers share: the NATS connection, the client, the worker set."""
+"""What the frontend's handlers share: a backend to dispatch to, and a few facts.
+
+`MeshBackend` dispatches over NATS (the normal case); `LocalBackend`
+(`genmesh.services.frontend.local`) runs an engine in-process, the same frontend with no
+mesh behind it, which is what the benchmark's direct-engine baseline is.
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from nats.aio.client import Client
 
 from genmesh.client import MeshClient
 from genmesh.shared.discovery import WorkerDirectory
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.frames import Frame
+
+
+class Backend(Protocol):
+    def generate(self, envelope: Envelope) -> AsyncGenerator[Frame, None]:
+        """Reply frames of one request, ending with exactly one `end` or `err` frame."""
+        ...
+
+    def not_ready_reason(self) -> str | None:
+        """Why requests cannot be served right now, or None when they can."""
+        ...
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The cards of the workers that can serve requests."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(slots=True)
-class FrontendState:
+class MeshBackend:
     nc: Client
     client: MeshClient
     directory: WorkerDirectory
     namespace: str
-    default_model: str
-    started: float
+
+    def generate(self, envelope: Envelope) -> AsyncGenerator[Frame, None]:
+        return self.client.generate(envelope)
 
     def not_ready_reason(self) -> str | None:
-        """Why requests cannot be served right now, or None when they can."""
         if not self.nc.is_connected:
             return "genmesh is not ready: not connected to NATS"
         if not self.directory.workers:
             return f"genmesh is not ready: no worker is registered in namespace {self.namespace!r}"
         return None
 
+    def workers(self) -> list[dict[str, Any]]:
+        return [w.card for w in self.directory.live()]
+
+    async def close(self) -> None:
+        await self.directory.close()
+        await self.client.close()
+        await self.nc.drain()
+
+
+@dataclass(slots=True)
+class FrontendState:
+    backend: Backend
+    namespace: str
+    default_model: str
+    started: float
+
     def models(self) -> list[str]:
-        found = sorted({w.model for w in self.directory.live() if w.model})
+        found = sorted(
+            {m for card in self.backend.workers() if isinstance(m := card.get("model"), str)}
+        )
         return found or [self.default_model]
+
+    def max_model_len(self) -> int | None:
+        known = [
+            n for card in self.backend.workers() if isinstance(n := card.get("max_model_len"), int)
+        ]
+        return min(known) if known else None

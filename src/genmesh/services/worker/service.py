@@ -20,7 +20,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.services.worker.engines.base import Engine, EngineOutput
+from genmesh.services.worker.engines.base import Engine
+from genmesh.services.worker.execute import execute
 from genmesh.shared import frames
 from genmesh.shared.bus import STREAM_TERMINATOR, codec_headers, message_codec, publish
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
@@ -76,7 +77,7 @@ class Worker:
         self._announcer: asyncio.Task[None] | None = None
         self._started = time.time()
         self._stopping = False
-        self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "rejected": 0}
+        self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
 
     @property
     def worker_id(self) -> str:
@@ -245,62 +246,26 @@ class Worker:
         codec = active.codec
         await self.nc.publish(active.reply, codec.encode(frame), headers=codec_headers(codec))
 
-    def _output_frame(self, active: _Active, out: EngineOutput) -> frames.Frame:
-        frame: frames.Frame = {
-            "t": frames.END if out.finish is not None else frames.OUT,
-            "id": active.envelope.id,
-            "tokens": out.tokens,
-        }
-        if out.logprobs is not None:
-            frame["logprobs"] = out.logprobs
-        if out.top_logprobs is not None:
-            frame["top_logprobs"] = out.top_logprobs
-        if out.prompt_logprobs is not None:
-            frame["prompt_logprobs"] = out.prompt_logprobs
-        if out.prompt_top_logprobs is not None:
-            frame["prompt_top_logprobs"] = out.prompt_top_logprobs
-        if out.cached_tokens is not None:
-            frame["cached_tokens"] = out.cached_tokens
-        if out.engine:
-            frame["engine"] = out.engine
-        if out.finish is not None:
-            frame["finish"] = out.finish
-            frame["usage"] = out.usage or {}
-        return frame
-
     async def _run(self, active: _Active) -> None:
         rid = active.envelope.id
-        final: MeshError | None = None
+        last: frames.Frame | None = None
         try:
-            ended = False
-            async for out in self.engine.generate(active.envelope):
-                await self._send(active, self._output_frame(active, out))
-                if out.finish is not None:
-                    ended = True
-                    await self.nc.publish(active.reply, STREAM_TERMINATOR)
-                    break
-            if not ended:
-                final = MeshError(ErrorCode.INTERNAL, "engine ended without a finish reason")
-        except asyncio.CancelledError:
-            final = active.stop_reason or MeshError(ErrorCode.CANCELLED, "request was cancelled")
-        except MeshError as exc:
-            final = exc
-        except Exception:
-            log.exception("engine failed on request %s", rid)
-            final = MeshError(ErrorCode.INTERNAL, "internal engine error")
+            try:
+                async for last in execute(self.engine, active.envelope):
+                    await self._send(active, last)
+            except asyncio.CancelledError:
+                reason = active.stop_reason or MeshError(
+                    ErrorCode.CANCELLED, "request was cancelled"
+                )
+                last = frames.err(rid, 0, reason)
+                await self._send(active, last)
+            await self.nc.publish(active.reply, STREAM_TERMINATOR)
+        except Exception as exc:  # NATS trouble: the requester's timeouts take over
+            log.warning("request %s: could not send its frames: %s", rid, exc)
         finally:
             self._active.pop(rid, None)
             self._load_changed.set()
-        if final is None:
-            self.stats["completed"] += 1
-            return
-        if final.code is ErrorCode.CANCELLED:
-            self.stats["cancelled"] += 1
-        try:
-            await self._send(active, frames.err(rid, 0, final))
-            await self.nc.publish(active.reply, STREAM_TERMINATOR)
-        except Exception as exc:
-            log.debug("could not send final error for %s: %s", rid, exc)
+            self.stats[_outcome(last)] += 1
 
     def _stop_request(self, active: _Active, reason: MeshError) -> None:
         if active.task is not None and not active.task.done():
@@ -347,3 +312,12 @@ class Worker:
                         await self._send(active, {"t": frames.KA, "id": active.envelope.id})
                     except Exception as exc:
                         log.debug("keep-alive failed for %s: %s", active.envelope.id, exc)
+
+
+def _outcome(last: frames.Frame | None) -> str:
+    """The stats counter a request ends in, from the last frame it sent."""
+    if last is not None and last["t"] == frames.END:
+        return "completed"
+    if last is not None and last.get("code") == ErrorCode.CANCELLED.value:
+        return "cancelled"
+    return "failed"

@@ -1,0 +1,40 @@
+"""A frontend backend with the engine in-process: the frontend without the mesh.
+
+It produces exactly the frames a worker would (`genmesh.services.worker.execute`), so the
+same handler serves them. The benchmark uses it as the direct-engine baseline; it also
+suits embedding one engine in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from genmesh.services.worker.engines.base import Engine
+from genmesh.services.worker.execute import execute
+from genmesh.shared import frames
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.ids import new_request_id
+
+
+class LocalBackend:
+    def __init__(self, engine: Engine, worker_id: str = "local") -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+
+    async def generate(self, envelope: Envelope) -> AsyncGenerator[frames.Frame, None]:
+        seq = 0
+        yield frames.ack(envelope.id, self.worker_id, new_request_id())
+        async for frame in execute(self.engine, envelope):
+            seq += 1
+            frame["seq"] = seq
+            yield frame
+
+    def not_ready_reason(self) -> str | None:
+        return None
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [{**self.engine.describe(), "id": self.worker_id, "engine": self.engine.name}]
+
+    async def close(self) -> None:
+        await self.engine.close()

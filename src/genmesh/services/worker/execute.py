@@ -1,0 +1,64 @@
+"""One request on one engine, as reply frames, independent of any transport.
+
+The worker publishes these frames on NATS; `LocalBackend` hands them straight to an
+in-process frontend. Either way a request produces the same frames.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+
+from genmesh.services.worker.engines.base import Engine, EngineOutput
+from genmesh.shared import frames
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode, MeshError
+
+log = logging.getLogger(__name__)
+
+
+def output_frame(request_id: str, out: EngineOutput) -> frames.Frame:
+    """The `out` frame (or, when `out` carries a finish reason, the `end` frame) for `out`."""
+    frame: frames.Frame = {
+        "t": frames.END if out.finish is not None else frames.OUT,
+        "id": request_id,
+        "tokens": out.tokens,
+    }
+    if out.logprobs is not None:
+        frame["logprobs"] = out.logprobs
+    if out.top_logprobs is not None:
+        frame["top_logprobs"] = out.top_logprobs
+    if out.prompt_logprobs is not None:
+        frame["prompt_logprobs"] = out.prompt_logprobs
+    if out.prompt_top_logprobs is not None:
+        frame["prompt_top_logprobs"] = out.prompt_top_logprobs
+    if out.cached_tokens is not None:
+        frame["cached_tokens"] = out.cached_tokens
+    if out.engine:
+        frame["engine"] = out.engine
+    if out.finish is not None:
+        frame["finish"] = out.finish
+        frame["usage"] = out.usage or {}
+    return frame
+
+
+async def execute(engine: Engine, envelope: Envelope) -> AsyncGenerator[frames.Frame, None]:
+    """The frames after the `ack`: `out` frames, then exactly one `end` or `err`.
+
+    Engine failures become `err` frames; only cancellation (CancelledError) escapes, and
+    the caller decides what the client is told. Frames carry no `seq`: the sender numbers
+    them, because keep-alives interleave.
+    """
+    rid = envelope.id
+    try:
+        async for out in engine.generate(envelope):
+            yield output_frame(rid, out)
+            if out.finish is not None:
+                return
+        error = MeshError(ErrorCode.INTERNAL, "engine ended without a finish reason")
+    except MeshError as exc:
+        error = exc
+    except Exception:
+        log.exception("engine failed on request %s", rid)
+        error = MeshError(ErrorCode.INTERNAL, "internal engine error")
+    yield frames.err(rid, 0, error)
