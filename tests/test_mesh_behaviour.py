@@ -288,7 +288,11 @@ async def test_frontend_sockets_have_tcp_nodelay(mesh: Mesh, nats_url: str) -> N
     )
     try:
         await asyncio.to_thread(
-            wait_until, lambda: frontend.state.backend.not_ready_reason() is None, 5.0, 0.02, "discovery"
+            wait_until,
+            lambda: frontend.state.backend.not_ready_reason() is None,
+            5.0,
+            0.02,
+            "discovery",
         )
         url = f"http://127.0.0.1:{frontend.port}/generate"
         body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 3}, "stream": True}
