@@ -28,7 +28,14 @@ from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.shared import frames
-from genmesh.shared.bus import codec_headers, connect, is_no_responders, message_codec, publish
+from genmesh.shared.bus import (
+    codec_headers,
+    connect,
+    is_no_responders,
+    message_codec,
+    publish,
+    unsubscribe_quietly,
+)
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.ids import new_request_id
@@ -130,12 +137,8 @@ class MeshClient:
         )
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
         if self._owns_connection:
             await self.nc.drain()
 

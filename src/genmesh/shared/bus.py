@@ -8,6 +8,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, get_codec
 
@@ -107,6 +108,16 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     nc.options["reconnect_time_wait"] = reconnect_wait_s
     return nc
+
+
+async def unsubscribe_quietly(sub: Subscription | None) -> None:
+    """Unsubscribe on shutdown, when the connection may already be gone."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:
+        log.debug("unsubscribe from %s failed: %s", sub.subject, exc)
 
 
 async def publish(nc: Client, subject: str, codec: Codec, obj: Any, *, reply: str = "") -> None:

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import CodecError, UnknownCodecError, get_codec
-from genmesh.shared.bus import message_codec, publish
+from genmesh.shared.bus import message_codec, publish, unsubscribe_quietly
 from genmesh.shared.ids import is_subject_token
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner
@@ -86,11 +86,7 @@ class WorkerDirectory:
         self._tasks.spawn(self._expiry_loop(), name="expiry")
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
+        await unsubscribe_quietly(self._sub)
         await self._tasks.close()
 
     def live(self) -> list[WorkerInfo]:

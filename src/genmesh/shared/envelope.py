@@ -33,17 +33,23 @@ def _int(
     return value
 
 
+def finite_float(value: int | float) -> float | None:
+    """`value` as a finite float, or None (NaN, infinities, JSON integers beyond a float)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _float(obj: dict[str, Any], key: str, where: str) -> float | None:
     value = obj.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise EnvelopeError(f"{where}{key}: expected a finite number, got {value!r}")
-    try:
-        number = float(value)  # JSON integers can be too large for a float
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
+    number = None
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        number = finite_float(value)
+    if number is None:
         raise EnvelopeError(f"{where}{key}: expected a finite number, got {value!r:.40}")
     return number
 

@@ -10,13 +10,19 @@ has one.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
-from genmesh.shared.envelope import MAX_TOKEN_ID, Envelope, OutputOptions, Routing, Sampling
+from genmesh.shared.envelope import (
+    MAX_TOKEN_ID,
+    Envelope,
+    OutputOptions,
+    Routing,
+    Sampling,
+    finite_float,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -125,11 +131,8 @@ def _opt_number(obj: Mapping[str, Any], key: str) -> float | None:
         return None
     if not _is_number(value):
         raise _type_error(f"sampling_params.{key}: Input should be a valid number, got {value!r}")
-    try:
-        number = float(value)  # JSON integers can be too large for a float
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
+    number = finite_float(value)
+    if number is None:
         raise _value_error(f"{key} must be a finite number, got {value!r:.40}.")
     return number
 

@@ -17,7 +17,12 @@ from nats.aio.subscription import Subscription
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.router.policies import Policy, make_policy
 from genmesh.shared import frames
-from genmesh.shared.bus import STREAM_TERMINATOR, codec_headers, message_codec
+from genmesh.shared.bus import (
+    STREAM_TERMINATOR,
+    codec_headers,
+    message_codec,
+    unsubscribe_quietly,
+)
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -51,11 +56,7 @@ class Router:
         )
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
+        await unsubscribe_quietly(self._sub)
         await self.directory.close()
 
     def choose(self, envelope: Envelope) -> WorkerInfo:

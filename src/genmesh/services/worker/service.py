@@ -23,7 +23,13 @@ from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.worker.engines.base import Engine
 from genmesh.services.worker.execute import execute
 from genmesh.shared import frames
-from genmesh.shared.bus import STREAM_TERMINATOR, codec_headers, message_codec, publish
+from genmesh.shared.bus import (
+    STREAM_TERMINATOR,
+    codec_headers,
+    message_codec,
+    publish,
+    unsubscribe_quietly,
+)
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
@@ -114,10 +120,7 @@ class Worker:
         except Exception as exc:  # NATS may already be gone
             log.debug("could not announce leave: %s", exc)
         for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
+            await unsubscribe_quietly(sub)
         shutdown = MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
         for active in list(self._active.values()):
             self._stop_request(active, shutdown)
