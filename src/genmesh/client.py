@@ -25,6 +25,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.shared import frames
@@ -181,12 +182,19 @@ class MeshClient:
         finished = False
         target = subject or self.subjects.router_generate
         try:
-            await self.nc.publish(
-                target,
-                self.codec.encode(envelope.to_wire()),
-                reply=f"{self._inbox}.{token}",
-                headers=codec_headers(self.codec),
-            )
+            try:
+                await self.nc.publish(
+                    target,
+                    self.codec.encode(envelope.to_wire()),
+                    reply=f"{self._inbox}.{token}",
+                    headers=codec_headers(self.codec),
+                )
+            except NatsError as exc:  # closed, draining, or the reconnect buffer is full
+                finished = True  # nothing went out, nothing to cancel
+                yield frames.synthetic_err(
+                    rid, ErrorCode.UNAVAILABLE, f"could not publish the request: {exc!r}"
+                )
+                return
             expected_seq = 0
             while True:
                 timeout = self.ack_timeout_s if expected_seq == 0 else self.idle_timeout_s

@@ -28,7 +28,7 @@ def build_app(
     app = web.Application(client_max_size=body_limit_bytes)
     app[STATE] = state
     for fmt in formats:
-        handler = GenerateHandler(fmt, state)
+        handler = GenerateHandler(fmt, state, body_limit_bytes)
         for route in fmt.routes:
             app.router.add_route(route.method, route.path, handler.handle)
     app.router.add_get("/health", health)

@@ -1,6 +1,6 @@
 """The shared generate handler: one request lifecycle for every format.
 
-bind (format) -> readiness -> private ID -> dispatch over NATS -> frames rendered by the
+bind (format) -> readiness -> private ID -> dispatch (backend) -> frames rendered by the
 format into SSE events or folded into a unary body -> cancel on client disconnect.
 Nothing here knows a native field name.
 """
@@ -40,9 +40,10 @@ def sse_event(payloads: list[Any]) -> bytes:
 
 
 class GenerateHandler:
-    def __init__(self, fmt: GenerateFormat, state: FrontendState) -> None:
+    def __init__(self, fmt: GenerateFormat, state: FrontendState, body_limit_bytes: int) -> None:
         self.format = fmt
         self.state = state
+        self.body_limit_bytes = body_limit_bytes
 
     def json_error(
         self, status: int, message: str, headers: dict[str, str] | None = None
@@ -56,8 +57,9 @@ class GenerateHandler:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            limit = request.app._client_max_size
-            return self.json_error(413, f"request body is larger than the limit of {limit} bytes")
+            return self.json_error(
+                413, f"request body is larger than the limit of {self.body_limit_bytes} bytes"
+            )
         try:
             bound = self.format.bind(body, request.headers)
         except RequestRejected as rejected:
@@ -79,7 +81,7 @@ class GenerateHandler:
                 if bound.stream:
                     return await self._stream(request, stream, exchange, headers, envelope.id)
                 return await self._unary(stream, exchange, headers, envelope.id)
-        except (ConnectionResetError, TimeoutError) as exc:
+        except ConnectionResetError as exc:
             # The client went away while we wrote; closing the stream above sent the cancel.
             log.info("request %s: client connection lost (%s); cancelled", envelope.id, exc)
             raise
