@@ -1,9 +1,16 @@
 """The format contract: what is native to one HTTP API (`docs/architecture.md`, "Formats").
 
-A format turns a native request into an envelope (`bind`), turns reply frames into native
-response chunks (`Exchange.render`), and says how chunks fold into a unary body
-(`merge_rules`). Everything else, the request lifecycle, belongs to the shared handler in
+A format parses and binds a native request into one envelope per generation it asks for
+(a batch, or `n` samples, fans out into several), renders reply frames into native
+records, and says how records fold into a unary body (`merge_rules`). Everything else,
+the request lifecycle, belongs to the shared handler in
 `genmesh.services.frontend.generate`.
+
+Per item `i` of a request, each `out`/`end` frame becomes one *record*
+(`Exchange.render`). Records are what merge rules apply to: the handler streams
+`Exchange.sse(i, record)` payloads, or folds each item's records and hands the folds to
+`Exchange.body` for the unary answer. So a unary body is, by construction, the fold of
+the same records a stream carries.
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-from genmesh.formats.merge import Rule
+from genmesh.formats.merge import Joiner, Rule
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import MeshError
 from genmesh.shared.frames import Frame
+
+Record = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +48,9 @@ class RequestRejected(Exception):
 class Bound:
     """A request bound by its format, ready for dispatch."""
 
-    # `id` is empty here: the shared handler mints the private ID.
-    envelope: Envelope
+    # One envelope per generation, in the order of the response. Their `id`s are empty:
+    # the shared handler mints the private IDs.
+    items: list[Envelope]
     stream: bool
     # The client's own request ID (echoed, never used to address anything).
     client_id: str | None
@@ -51,11 +61,23 @@ class Bound:
 
 
 class Exchange(ABC):
-    """Per-request rendering state: frames in, native chunks out."""
+    """Per-request rendering state: frames in, native records and bodies out."""
 
     @abstractmethod
-    def render(self, frame: Frame) -> list[Any]:
-        """Native response chunks for one `out` or `end` frame (possibly none)."""
+    def render(self, index: int, frame: Frame) -> Record:
+        """The record of item `index` for one `out` or `end` frame."""
+
+    @abstractmethod
+    def sse(self, index: int, record: Record) -> list[Any]:
+        """The SSE payloads (JSON values) that carry `record`."""
+
+    def sse_end(self) -> list[Any]:
+        """Payloads sent after every item has ended, before `[DONE]` (e.g. a usage chunk)."""
+        return []
+
+    @abstractmethod
+    def body(self, items: list[Record]) -> Any:
+        """The unary body from each item's folded records, in item order."""
 
     @abstractmethod
     def error(self, error: MeshError, status: int) -> Any:
@@ -63,20 +85,26 @@ class Exchange(ABC):
 
 
 class GenerateFormat(ABC):
-    name: ClassVar[str]
-    # Each response field's merge rule, by dotted path; unlisted fields are `last`.
-    merge_rules: ClassVar[Mapping[str, Rule]]
+    name: str
+    # Each record field's merge rule, by dotted path; unlisted fields are `last`.
+    merge_rules: Mapping[str, Rule]
+    # Joiners for `delta` fields that are not plain lists or strings.
+    joiners: Mapping[str, Joiner] = {}
 
-    def __init__(self, routes: tuple[Route, ...]) -> None:
-        self.routes = routes
+    def __init__(self, routes: tuple[Route, ...] | None = None) -> None:
+        self.routes = routes or self.default_routes()
 
     @classmethod
     @abstractmethod
     def default_routes(cls) -> tuple[Route, ...]: ...
 
     @abstractmethod
-    def bind(self, body: bytes, headers: Mapping[str, str]) -> Bound:
-        """Parse and validate; raise RequestRejected with a native error body."""
+    def parse(self, body: bytes) -> Any:
+        """The request body as a JSON value; raise RequestRejected if it is not JSON."""
+
+    @abstractmethod
+    def bind(self, request: Any, headers: Mapping[str, str]) -> Bound:
+        """Validate a parsed request; raise RequestRejected with a native error body."""
 
     @abstractmethod
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange: ...

@@ -2,7 +2,9 @@
 
 Each response field has a rule, named by its dotted path (`meta_info.completion_tokens`):
 
-- `delta`: each chunk carries new items; concatenate (lists and strings).
+- `delta`: each chunk carries new items; the pieces are joined (lists concatenated,
+  strings joined, or the field's own joiner: a client codec that sends Base64 joins by
+  decode-concatenate-encode).
 - `attempt`: a running total within one worker attempt; after a migration the earlier
   attempts' final values are added.
 - `prompt`: a property of the original prompt; the first attempt's value stands (later
@@ -10,13 +12,16 @@ Each response field has a rule, named by its dotted path (`meta_info.completion_
 - `last`: the last value wins (finish reasons, IDs, latencies). The default.
 
 Maps are merged key by key, recursively; the key order is the order of first appearance.
+Pieces are joined once, at the end, so folding n chunks costs O(n).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
+
+Joiner = Callable[[list[Any]], Any]
 
 
 class Rule(StrEnum):
@@ -26,9 +31,22 @@ class Rule(StrEnum):
     LAST = "last"
 
 
+def concat(pieces: list[Any]) -> Any:
+    """The default joiner: concatenated lists, or joined strings."""
+    if all(isinstance(p, str) for p in pieces):
+        return "".join(pieces)
+    out: list[Any] = []
+    for piece in pieces:
+        out.extend(piece)
+    return out
+
+
 class Merger:
-    def __init__(self, rules: Mapping[str, Rule]) -> None:
+    def __init__(
+        self, rules: Mapping[str, Rule], joiners: Mapping[str, Joiner] | None = None
+    ) -> None:
         self.rules = rules
+        self.joiners = joiners or {}
         # Paths with rules below them: maps found there are merged key by key, not replaced.
         self._parents = {
             ".".join(path.split(".")[:i]) + "."
@@ -36,7 +54,8 @@ class Merger:
             for i in range(1, len(path.split(".")))
         }
         self._body: dict[str, Any] = {}
-        # For `attempt` fields: path -> {attempt: last value}.
+        # Values kept aside until result(): placeholders hold their place in the key order.
+        self._pieces: dict[str, list[Any]] = {}
         self._attempts: dict[str, dict[int, Any]] = {}
 
     def add(self, chunk: Mapping[str, Any], attempt: int = 0) -> None:
@@ -54,13 +73,13 @@ class Merger:
                     nested = acc[key] = {}
                 self._merge(nested, value, path + ".", attempt)
             elif rule is Rule.DELTA:
-                if key in acc and acc[key] is not None and value is not None:
-                    acc[key] = acc[key] + value
-                elif value is not None or key not in acc:
-                    acc[key] = list(value) if isinstance(value, list) else value
+                pieces = self._pieces.setdefault(path, [])
+                if value is not None:
+                    pieces.append(value)
+                acc.setdefault(key, None)
             elif rule is Rule.ATTEMPT:
                 self._attempts.setdefault(path, {})[attempt] = value
-                acc[key] = None  # placeholder keeps the key order; filled in result()
+                acc.setdefault(key, None)
             elif rule is Rule.PROMPT:
                 if key not in acc:
                     acc[key] = value
@@ -68,21 +87,31 @@ class Merger:
                 acc[key] = value
 
     def result(self) -> dict[str, Any]:
+        for path, pieces in self._pieces.items():
+            joiner = self.joiners.get(path, concat)
+            self._set(path, joiner(pieces) if pieces else None)
         for path, by_attempt in self._attempts.items():
-            values = [v for _, v in sorted(by_attempt.items()) if v is not None]
             total: Any = None
-            for value in values:
-                total = value if total is None else total + value
-            node = self._body
-            *parents, leaf = path.split(".")
-            for part in parents:
-                node = node[part]
-            node[leaf] = total
+            for _, value in sorted(by_attempt.items()):
+                if value is not None:
+                    total = value if total is None else total + value
+            self._set(path, total)
         return self._body
 
+    def _set(self, path: str, value: Any) -> None:
+        node = self._body
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
 
-def fold(chunks: list[Mapping[str, Any]], rules: Mapping[str, Rule]) -> dict[str, Any]:
-    merger = Merger(rules)
+
+def fold(
+    chunks: list[Mapping[str, Any]],
+    rules: Mapping[str, Rule],
+    joiners: Mapping[str, Joiner] | None = None,
+) -> dict[str, Any]:
+    merger = Merger(rules, joiners)
     for chunk in chunks:
         merger.add(chunk)
     return merger.result()

@@ -75,6 +75,7 @@ async def connect(
     limit is switched on only once connected.
     """
     connected = False
+    nc: Client
     first_errors: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
@@ -84,7 +85,8 @@ async def connect(
             first_errors.append(exc)
 
     async def on_disconnected() -> None:
-        log.warning("NATS (%s): disconnected from %s", name, url)
+        if not (nc.is_closed or nc.is_draining):  # a deliberate close is no news
+            log.warning("NATS (%s): disconnected from %s", name, url)
 
     async def on_reconnected() -> None:
         log.info("NATS (%s): reconnected", name)

@@ -124,7 +124,10 @@ class Sampling:
             top_k=_int(obj, "top_k", w, default=None),
             min_p=_float(obj, "min_p", w),
             seed=_int(obj, "seed", w, default=None),
-            stop_token_ids=token_list(obj.get("stop_token_ids") or [], "sampling.stop_token_ids"),
+            stop_token_ids=token_list(
+                [] if obj.get("stop_token_ids") is None else obj["stop_token_ids"],
+                "sampling.stop_token_ids",
+            ),
             ignore_eos=_bool(obj, "ignore_eos", w),
         )
         if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
@@ -153,6 +156,8 @@ class OutputOptions:
     top_logprobs: int = 0
     # Prompt position from which prompt logprobs are wanted; None = no prompt logprobs.
     prompt_logprobs_start: int | None = None
+    # Position from which MoE routed-expert rows are wanted; None = not wanted.
+    routed_experts_start: int | None = None
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> OutputOptions:
@@ -161,6 +166,7 @@ class OutputOptions:
             logprobs=_bool(obj, "logprobs", w),
             top_logprobs=_int(obj, "top_logprobs", w, default=0, minimum=0) or 0,
             prompt_logprobs_start=_int(obj, "prompt_logprobs_start", w, default=None, minimum=0),
+            routed_experts_start=_int(obj, "routed_experts_start", w, default=None, minimum=0),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -171,6 +177,8 @@ class OutputOptions:
             out["top_logprobs"] = self.top_logprobs
         if self.prompt_logprobs_start is not None:
             out["prompt_logprobs_start"] = self.prompt_logprobs_start
+        if self.routed_experts_start is not None:
+            out["routed_experts_start"] = self.routed_experts_start
         return out
 
 
@@ -285,6 +293,12 @@ class Envelope:
         if start is not None and start >= len(token_ids):
             raise EnvelopeError(
                 f"output.prompt_logprobs_start ({start}) must be below the prompt length "
+                f"({len(token_ids)})"
+            )
+        experts = envelope.output.routed_experts_start
+        if experts is not None and experts > len(token_ids):
+            raise EnvelopeError(
+                f"output.routed_experts_start ({experts}) must not exceed the prompt length "
                 f"({len(token_ids)})"
             )
         return envelope

@@ -21,17 +21,6 @@ ERR = "err"
 TYPES = frozenset({ACK, OUT, KA, END, ERR})
 TERMINAL = frozenset({END, ERR})
 
-# Keys that `out` and `end` frames may carry about generated output.
-OUTPUT_KEYS = (
-    "tokens",
-    "logprobs",
-    "top_logprobs",
-    "prompt_logprobs",
-    "prompt_top_logprobs",
-    "cached_tokens",
-    "engine",
-)
-
 
 class FrameError(ValueError):
     """A reply that is not a valid frame."""

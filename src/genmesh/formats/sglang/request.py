@@ -9,6 +9,7 @@ has one.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from genmesh.shared.envelope import (
     Sampling,
     finite_float,
 )
+from genmesh.shared.ids import new_public_id
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -34,7 +36,6 @@ _UNSUPPORTED = {
     "audio_data": "multimodal inputs (audio_data) are not supported by this server",
     "token_ids_logprob": "token_ids_logprob is not supported by this server yet",
     "return_hidden_states": "return_hidden_states is not supported by this server",
-    "return_routed_experts": "return_routed_experts is not supported by this server yet",
     "custom_logit_processor": "custom_logit_processor is not enabled on this server",
     "session_params": "sessions (session_params) are not supported by this server",
     "session_id": "sessions (session_id) are not supported by this server",
@@ -52,7 +53,6 @@ _INTERNAL = (
 _PASSTHROUGH = (
     "lora_path",
     "return_text_in_logprobs",
-    "routed_experts_start_len",
     "modalities",
     "background",
     "conversation_id",
@@ -65,7 +65,14 @@ _PASSTHROUGH = (
     "routing_key",
 )
 _ROUTING = ("data_parallel_rank", "routed_dp_rank", "priority", "extra_key")
+# Fields that differ per prompt of a batch; the rest of the body is shared by all items.
+_PER_PROMPT = frozenset(
+    ("input_ids", "rid", "stream", "text", "sampling_params", "return_logprob",
+     "logprob_start_len", "top_logprobs_num")
+)  # fmt: skip
 _CORE = (
+    "return_routed_experts",
+    "routed_experts_start_len",
     "text",
     "input_ids",
     "sampling_params",
@@ -101,13 +108,22 @@ def _value_error(message: str) -> RequestRejected:
 
 
 @dataclass(frozen=True, slots=True)
-class SglangOptions:
-    """What the response renderer needs to know about the request."""
+class ItemOptions:
+    """What the renderer needs to know about one generation of the request."""
 
+    public_id: str | None  # None: the handler's public ID (single requests without an ID)
     prompt_tokens: int
     return_logprob: bool
     top_logprobs_num: int
     max_new_tokens: int | None
+    return_routed_experts: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SglangOptions:
+    items: list[ItemOptions]
+    # A batch or n > 1: the answer is an array, and SSE chunks carry `index`.
+    multi: bool
 
 
 def _is_int(value: Any) -> bool:
@@ -146,7 +162,8 @@ def _opt_bool(obj: Mapping[str, Any], key: str, where: str = "") -> bool:
     return value
 
 
-def _input_ids(body: Mapping[str, Any]) -> list[int]:
+def _input_ids(body: Mapping[str, Any]) -> tuple[list[list[int]], bool]:
+    """The prompts, and whether the request is a batch."""
     if body.get("text") is not None:
         raise _value_error(
             "text prompts need a tokenizer and this server has none "
@@ -159,25 +176,35 @@ def _input_ids(body: Mapping[str, Any]) -> list[int]:
         raise _type_error(f"input_ids: Input should be a valid list, got {type(ids).__name__}")
     if not ids:
         raise _value_error("input_ids cannot be empty.")
-    if any(isinstance(item, list) for item in ids):
-        raise _value_error(
-            "input_ids: batch input (a list of input_ids lists) is not supported yet; "
-            "send one list of token ids per request"
-        )
-    for i, tid in enumerate(ids):
-        if not _is_int(tid):
-            raise _type_error(f"input_ids[{i}]: Input should be a valid integer, got {tid!r}")
-        if not 0 <= tid <= MAX_TOKEN_ID:
-            raise _value_error(f"input_ids[{i}]: token id {tid} is out of range")
-    return ids
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    for b, prompt in enumerate(prompts):
+        where = f"input_ids[{b}]" if batch else "input_ids"
+        if not isinstance(prompt, list):
+            raise _type_error(f"{where}: Input should be a valid list (batch items are lists)")
+        if not prompt:
+            raise _value_error("input_ids cannot be empty.")
+        for i, tid in enumerate(prompt):
+            if not _is_int(tid):
+                raise _type_error(f"{where}[{i}]: Input should be a valid integer, got {tid!r}")
+            if not 0 <= tid <= MAX_TOKEN_ID:
+                raise _value_error(f"{where}[{i}]: token id {tid} is out of range")
+    return prompts, batch
+
+
+def _per_item(body: Mapping[str, Any], key: str, count: int, batch: bool) -> list[Any]:
+    """A field that is a scalar, or (for a batch) a list with one entry per prompt."""
+    value = body.get(key)
+    if isinstance(value, list):
+        if not batch:
+            raise _type_error(f"{key}: a list is only allowed with batch input_ids")
+        if len(value) != count:
+            raise _value_error(f"{key} has {len(value)} entries for {count} prompts")
+        return value
+    return [value] * count
 
 
 def _sampling(sp: Mapping[str, Any]) -> Sampling:
-    n = _opt_int(sp, "n", "sampling_params.")
-    if n is not None and n != 1:
-        raise _value_error(
-            f"sampling_params.n: parallel sampling (n={n}) is not supported yet; send n=1"
-        )
     max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if max_new is not None:
         if not _is_int(max_new):
@@ -251,11 +278,106 @@ def _routing(body: Mapping[str, Any], headers: Mapping[str, str]) -> Routing:
     return Routing(dp_rank=dp_rank, priority=_opt_int(body, "priority", ""), cache_salt=cache_salt)
 
 
-def bind(body_bytes: bytes, headers: Mapping[str, str]) -> Bound:
+def parse(body: bytes) -> Any:
     try:
-        body = json.loads(body_bytes)
+        return json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise _type_error(f"request body is not valid JSON: {exc}") from None
+
+
+def _samples(sps: list[Any]) -> int:
+    counts = set()
+    for sp in sps:
+        n = _opt_int(sp, "n", "sampling_params.")
+        n = 1 if n is None else n
+        if n < 1:
+            raise _value_error(f"sampling_params.n must be at least 1, got {n}")
+        counts.add(n)
+    if len(counts) > 1:
+        raise _value_error("sampling_params: every entry of a batch must have the same n")
+    return counts.pop()
+
+
+def _logprob_options(
+    body: Mapping[str, Any], prompts: list[list[int]], batch: bool
+) -> list[OutputOptions]:
+    count = len(prompts)
+    flags = _per_item(body, "return_logprob", count, batch)
+    starts = _per_item(body, "logprob_start_len", count, batch)
+    tops = _per_item(body, "top_logprobs_num", count, batch)
+    out = []
+    for b, prompt in enumerate(prompts):
+        item = {
+            "return_logprob": flags[b],
+            "logprob_start_len": starts[b],
+            "top_logprobs_num": tops[b],
+        }
+        wanted = _opt_bool(item, "return_logprob")
+        start = _opt_int(item, "logprob_start_len", "")
+        start = -1 if start is None else start
+        top_k = _opt_int(item, "top_logprobs_num", "") or 0
+        if top_k < 0:
+            raise _value_error(f"top_logprobs_num must be >= 0, got {top_k}")
+        if start < -1:
+            raise _value_error(f"logprob_start_len must be >= -1, got {start}")
+        if wanted and start >= len(prompt):
+            raise _value_error(
+                f"logprob_start_len ({start}) is higher than the number of input tokens "
+                f"({len(prompt)}). Request with a lower logprob_start_len."
+            )
+        out.append(
+            OutputOptions(
+                logprobs=True,
+                top_logprobs=top_k,
+                prompt_logprobs_start=len(prompt) - 1 if start == -1 else start,
+            )
+            if wanted
+            else OutputOptions()
+        )
+    return out
+
+
+def _routed_experts(
+    body: Mapping[str, Any], prompts: list[list[int]], outputs: list[OutputOptions]
+) -> bool:
+    """Ask for routed-expert rows from `routed_experts_start_len` (into each output)."""
+    wanted = _opt_bool(body, "return_routed_experts")
+    start = _opt_int(body, "routed_experts_start_len", "") or 0
+    if not wanted:
+        return False
+    for prompt, output in zip(prompts, outputs, strict=True):
+        if not 0 <= start <= len(prompt):
+            raise _value_error(
+                f"routed_experts_start_len must be in [0, {len(prompt)}] "
+                f"(the prompt length), got {start}"
+            )
+        output.routed_experts_start = start
+    return True
+
+
+def _rids(
+    body: Mapping[str, Any], headers: Mapping[str, str], count: int, batch: bool
+) -> tuple[str | None, list[str | None]]:
+    """The client ID of the request and the echoed ID of each prompt (SGLang's rules)."""
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        if not batch:
+            raise _type_error("rid: a list is only allowed with batch input_ids")
+        if len(rid) != count or not all(isinstance(r, str) for r in rid):
+            raise _value_error(f"rid: expected {count} strings, one per prompt")
+        if len(set(rid)) != len(rid):
+            raise _value_error("rid: duplicate request ids in one batch")
+        return None, list(rid)
+    if rid is not None and not isinstance(rid, str):
+        raise _type_error("rid: Input should be a valid string")
+    client_id = rid if rid is not None else _header(headers, "x-request-id")
+    if not batch:
+        return client_id, [client_id]
+    # A scalar rid on a batch: item i is "{rid}_{i}".
+    return client_id, [None if client_id is None else f"{client_id}_{b}" for b in range(count)]
+
+
+def bind(body: Any, headers: Mapping[str, str]) -> Bound:
     if not isinstance(body, dict):
         raise _type_error(f"request body must be a JSON object, got {type(body).__name__}")
 
@@ -272,65 +394,63 @@ def bind(body_bytes: bytes, headers: Mapping[str, str]) -> Bound:
         if body.get(key) not in (None, False, [], {}):
             raise _value_error(reason)
 
-    input_ids = _input_ids(body)
-    rid = body.get("rid")
-    if isinstance(rid, list):
-        raise _value_error("rid: a list of rids is for batch input, which is not supported yet")
-    if rid is not None and not isinstance(rid, str):
-        raise _type_error("rid: Input should be a valid string")
-    sp = body.get("sampling_params")
-    if sp is None:
-        sp = {}
-    if isinstance(sp, list):
-        raise _value_error(
-            "sampling_params: a list of sampling_params is for batch input, "
-            "which is not supported yet"
-        )
-    if not isinstance(sp, dict):
-        raise _type_error("sampling_params: Input should be a valid dictionary")
-    sampling = _sampling(sp)
-
+    prompts, batch = _input_ids(body)
+    count = len(prompts)
+    sps = _per_item(body, "sampling_params", count, batch)
+    for sp in sps:
+        if sp is not None and not isinstance(sp, dict):
+            raise _type_error("sampling_params: Input should be a valid dictionary")
+    sps = [sp or {} for sp in sps]
+    samplings = [_sampling(sp) for sp in sps]
+    n = _samples(sps)
+    outputs = _logprob_options(body, prompts, batch)
+    experts = _routed_experts(body, prompts, outputs)
+    client_id, rids = _rids(body, headers, count, batch)
+    routing = _routing(body, headers)
     stream = _opt_bool(body, "stream")
-    return_logprob = _opt_bool(body, "return_logprob")
-    start = _opt_int(body, "logprob_start_len", "")
-    start = -1 if start is None else start
-    top_k = _opt_int(body, "top_logprobs_num", "") or 0
-    if top_k < 0:
-        raise _value_error(f"top_logprobs_num must be >= 0, got {top_k}")
-    if start < -1:
-        raise _value_error(f"logprob_start_len must be >= -1, got {start}")
-    if return_logprob and start >= len(input_ids):
-        raise _value_error(
-            f"logprob_start_len ({start}) is higher than the number of input tokens "
-            f"({len(input_ids)}). Request with a lower logprob_start_len."
-        )
-    output = OutputOptions()
-    if return_logprob:
-        output = OutputOptions(
-            logprobs=True,
-            top_logprobs=top_k,
-            prompt_logprobs_start=len(input_ids) - 1 if start == -1 else start,
-        )
+    multi = batch or n > 1
 
-    client_id = rid if rid is not None else _header(headers, "x-request-id")
-    native = {k: v for k, v in body.items() if k not in ("input_ids", "rid", "stream", "text")}
-    envelope = Envelope(
-        id="",
-        token_ids=input_ids,
-        format="sglang",
+    items: list[Envelope] = []
+    options: list[ItemOptions] = []
+    shared = {k: v for k, v in body.items() if k not in _PER_PROMPT}
+    for b, prompt in enumerate(prompts):
+        native = {**shared, "sampling_params": sps[b]}
+        for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+            if key in body:
+                native[key] = _per_item(body, key, count, batch)[b]
+        for _ in range(n):
+            # With n > 1 SGLang gives every sample a fresh random rid.
+            item_id = new_public_id() if n > 1 else rids[b]
+            if item_id is None and multi:
+                item_id = new_public_id()
+            items.append(
+                Envelope(
+                    id="",
+                    token_ids=prompt,
+                    format="sglang",
+                    client_id=item_id,
+                    sampling=copy.deepcopy(samplings[b]),
+                    output=copy.deepcopy(outputs[b]),
+                    routing=copy.deepcopy(routing),
+                    engine=native,
+                )
+            )
+            options.append(
+                ItemOptions(
+                    public_id=item_id,
+                    prompt_tokens=len(prompt),
+                    return_logprob=outputs[b].logprobs,
+                    return_routed_experts=experts,
+                    top_logprobs_num=outputs[b].top_logprobs,
+                    max_new_tokens=samplings[b].max_tokens,
+                )
+            )
+    return Bound(
+        items=items,
+        stream=stream,
         client_id=client_id,
-        sampling=sampling,
-        output=output,
-        routing=_routing(body, headers),
-        engine=native,
+        options=SglangOptions(options, multi),
     )
-    options = SglangOptions(
-        prompt_tokens=len(input_ids),
-        return_logprob=return_logprob,
-        top_logprobs_num=top_k if return_logprob else 0,
-        max_new_tokens=sampling.max_tokens,
-    )
-    return Bound(envelope=envelope, stream=stream, client_id=client_id, options=options)
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

@@ -6,12 +6,15 @@ is a running total; `input_token_logprobs` is repeated in full on every chunk.
 
 from __future__ import annotations
 
+import base64
+import sys
 import time
+from array import array
 from typing import Any
 
-from genmesh.formats.base import Exchange
+from genmesh.formats.base import Exchange, Record
 from genmesh.formats.merge import Rule
-from genmesh.formats.sglang.request import SglangOptions, error
+from genmesh.formats.sglang.request import ItemOptions, SglangOptions, error
 from genmesh.shared import frames
 from genmesh.shared.errors import MeshError
 
@@ -27,7 +30,27 @@ MERGE_RULES: dict[str, Rule] = {
     "meta_info.input_top_logprobs": Rule.PROMPT,
     "meta_info.output_token_logprobs": Rule.DELTA,
     "meta_info.output_top_logprobs": Rule.DELTA,
+    "meta_info.routed_experts": Rule.DELTA,
 }
+
+
+assert array("i").itemsize == 4, "routed experts need a 4-byte C int"
+
+
+def pack_int32(values: list[int]) -> bytes:
+    """Little-endian int32, SGLang's layout for routed experts."""
+    packed = array("i", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def join_base64(pieces: list[Any]) -> str:
+    """Base64 pieces of one byte sequence join by decode-concatenate-encode."""
+    return base64.b64encode(b"".join(base64.b64decode(p) for p in pieces)).decode()
+
+
+JOINERS = {"meta_info.routed_experts": join_base64}
 
 
 def native_finish_reason(finish: dict[str, Any], max_new_tokens: int | None) -> dict[str, Any]:
@@ -52,56 +75,90 @@ def _top_triples(tops: list[Any]) -> list[Any]:
     return [None if top is None else [[lp, tid, None] for tid, lp in top] for top in tops]
 
 
-class SglangExchange(Exchange):
-    def __init__(
-        self, options: SglangOptions, public_id: str, prompt: list[int], received_at: float
-    ) -> None:
-        self.options = options
+class _Item:
+    """Rendering state of one generation."""
+
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "input_logprobs",
+        "input_top_logprobs",
+        "opts",
+        "prompt",
+        "public_id",
+    )
+
+    def __init__(self, opts: ItemOptions, public_id: str, prompt: list[int]) -> None:
+        self.opts = opts
         self.public_id = public_id
         self.prompt = prompt
-        self.received_at = received_at
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.input_logprobs: list[Any] = []
         self.input_top_logprobs: list[Any] = []
 
-    def render(self, frame: frames.Frame) -> list[Any]:
+
+class SglangExchange(Exchange):
+    def __init__(
+        self, options: SglangOptions, public_id: str, prompts: list[list[int]], received_at: float
+    ) -> None:
+        self.multi = options.multi
+        self.received_at = received_at
+        self.items = [
+            _Item(opts, opts.public_id or public_id, prompt)
+            for opts, prompt in zip(options.items, prompts, strict=True)
+        ]
+
+    def render(self, index: int, frame: frames.Frame) -> Record:
+        item = self.items[index]
+        opts = item.opts
         tokens: list[int] = frame.get("tokens") or []
-        self.completion_tokens += len(tokens)
+        item.completion_tokens += len(tokens)
         cached = frame.get("cached_tokens")
         if isinstance(cached, int):
-            self.cached_tokens = cached
+            item.cached_tokens = cached
         finish = frame.get("finish") if frame["t"] == frames.END else None
-        opts = self.options
         meta: dict[str, Any] = {
-            "id": self.public_id,
+            "id": item.public_id,
             "finish_reason": None
             if finish is None
             else native_finish_reason(finish, opts.max_new_tokens),
             "prompt_tokens": opts.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
+            "completion_tokens": item.completion_tokens,
+            "cached_tokens": item.cached_tokens,
         }
         if opts.return_logprob:
-            self._note_prompt_logprobs(frame)
-            meta["input_token_logprobs"] = self.input_logprobs
+            self._note_prompt_logprobs(item, frame)
+            meta["input_token_logprobs"] = item.input_logprobs
             meta["output_token_logprobs"] = _triples(frame.get("logprobs") or [], tokens)
             if opts.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = self.input_top_logprobs
+                meta["input_top_logprobs"] = item.input_top_logprobs
                 meta["output_top_logprobs"] = _top_triples(frame.get("top_logprobs") or [])
+        if opts.return_routed_experts:
+            rows = frame.get("routed_experts") or []
+            flat = [expert for row in rows for expert in row]
+            meta["routed_experts"] = base64.b64encode(pack_int32(flat)).decode()
         if finish is not None:
             meta["e2e_latency"] = round(time.monotonic() - self.received_at, 6)
-        return [{"output_ids": tokens, "meta_info": meta}]
+        return {"output_ids": tokens, "meta_info": meta}
 
-    def _note_prompt_logprobs(self, frame: frames.Frame) -> None:
+    @staticmethod
+    def _note_prompt_logprobs(item: _Item, frame: frames.Frame) -> None:
         prompt_lps = frame.get("prompt_logprobs")
-        if prompt_lps is None or self.input_logprobs:
+        if prompt_lps is None or item.input_logprobs:
             return
-        start = len(self.prompt) - len(prompt_lps)
-        self.input_logprobs = _triples(prompt_lps, self.prompt[start:])
+        start = len(item.prompt) - len(prompt_lps)
+        item.input_logprobs = _triples(prompt_lps, item.prompt[start:])
         tops = frame.get("prompt_top_logprobs")
         if tops is not None:
-            self.input_top_logprobs = _top_triples(tops)
+            item.input_top_logprobs = _top_triples(tops)
+
+    def sse(self, index: int, record: Record) -> list[Any]:
+        # Batch and n > 1 streams interleave; each chunk says which item it belongs to.
+        return [{**record, "index": index}] if self.multi else [record]
+
+    def body(self, items: list[Record]) -> Any:
+        return items if self.multi else items[0]
 
     def error(self, err: MeshError, status: int) -> Any:
         return error(err.message)

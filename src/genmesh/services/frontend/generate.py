@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -61,7 +61,7 @@ class GenerateHandler:
                 413, f"request body is larger than the limit of {self.body_limit_bytes} bytes"
             )
         try:
-            bound = self.format.bind(body, request.headers)
+            bound = self.format.bind(self.format.parse(body), request.headers)
         except RequestRejected as rejected:
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
 
@@ -71,23 +71,30 @@ class GenerateHandler:
         if not_ready:
             return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
 
-        envelope = bound.envelope
-        envelope.id = new_request_id()
+        for envelope in bound.items:
+            envelope.id = new_request_id()
+        rid = (
+            bound.items[0].id
+            if len(bound.items) == 1
+            else f"{bound.items[0].id}+{len(bound.items) - 1}"
+        )
         exchange = self.format.exchange(bound, public_id, received_at)
-        log.debug("request %s (client id %s) dispatched", envelope.id, bound.client_id)
-        stream = self.state.backend.generate(envelope)
+        log.debug("request %s (client id %s) dispatched", rid, bound.client_id)
+        stream = interleave([self.state.backend.generate(item) for item in bound.items])
         try:
             async with contextlib.aclosing(stream):
                 if bound.stream:
-                    return await self._stream(request, stream, exchange, headers, envelope.id)
-                return await self._unary(stream, exchange, headers, envelope.id)
+                    return await self._stream(
+                        request, stream, exchange, headers, rid, len(bound.items)
+                    )
+                return await self._unary(stream, exchange, headers, rid, len(bound.items))
         except ConnectionResetError as exc:
-            # The client went away while we wrote; closing the stream above sent the cancel.
-            log.info("request %s: client connection lost (%s); cancelled", envelope.id, exc)
+            # The client went away while we wrote; closing the stream above sent the cancels.
+            log.info("request %s: client connection lost (%s); cancelled", rid, exc)
             raise
         except asyncio.CancelledError:
-            # Handler cancellation: the client disconnected. aclosing() published the cancel.
-            log.info("request %s: client disconnected (499); cancelled", envelope.id)
+            # Handler cancellation: the client disconnected. aclosing() published the cancels.
+            log.info("request %s: client disconnected (499); cancelled", rid)
             raise
 
     def _failure(self, error: MeshError, rid: str, public_id: str) -> tuple[int, MeshError]:
@@ -111,33 +118,40 @@ class GenerateHandler:
 
     async def _unary(
         self,
-        stream: AsyncIterator[frames.Frame],
+        stream: AsyncIterator[tuple[int, frames.Frame]],
         exchange: Exchange,
         headers: dict[str, str],
         rid: str,
+        count: int,
     ) -> web.StreamResponse:
-        merger = Merger(self.format.merge_rules)
-        async for frame in stream:
+        mergers = [Merger(self.format.merge_rules, self.format.joiners) for _ in range(count)]
+        ended = 0
+        async for index, frame in stream:
             kind = frame["t"]
             if kind == frames.ERR:
+                # One failed item fails the request; leaving cancels the others.
                 return self._error_response(exchange, frame, headers, rid)
             if kind in (frames.OUT, frames.END):
-                for chunk in exchange.render(frame):
-                    merger.add(chunk)
+                mergers[index].add(exchange.render(index, frame))
             if kind == frames.END:
-                return web.json_response(merger.result(), headers=headers, dumps=dumps)
-        raise AssertionError("reply stream ended without a terminal frame")
+                ended += 1
+                if ended == count:
+                    body = exchange.body([m.result() for m in mergers])
+                    return web.json_response(body, headers=headers, dumps=dumps)
+        raise AssertionError("reply streams ended without their terminal frames")
 
     async def _stream(
         self,
         request: web.Request,
-        stream: AsyncIterator[frames.Frame],
+        stream: AsyncIterator[tuple[int, frames.Frame]],
         exchange: Exchange,
         headers: dict[str, str],
         rid: str,
+        count: int,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        async for frame in stream:
+        ended = 0
+        async for index, frame in stream:
             kind = frame["t"]
             if kind == frames.ACK:
                 continue
@@ -154,11 +168,46 @@ class GenerateHandler:
                 await response.write(sse_event([exchange.error(error, status)]) + SSE_DONE)
                 break
             else:
-                data = sse_event(exchange.render(frame))
+                data = sse_event(exchange.sse(index, exchange.render(index, frame)))
                 if kind == frames.END:
-                    await response.write(data + SSE_DONE)
-                    break
+                    ended += 1
+                    if ended == count:
+                        await response.write(data + sse_event(exchange.sse_end()) + SSE_DONE)
+                        break
                 await response.write(data)
         assert response is not None
         await response.write_eof()
         return response
+
+
+async def interleave(
+    streams: list[AsyncGenerator[frames.Frame, None]],
+) -> AsyncGenerator[tuple[int, frames.Frame], None]:
+    """Frames of several streams as they arrive, tagged with their stream's index. Closing
+    this closes every stream (each cancels its request if it has not ended)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for frame in only:
+                yield 0, frame
+        return
+    queue: asyncio.Queue[tuple[int, frames.Frame | None]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncGenerator[frames.Frame, None]) -> None:
+        async with contextlib.aclosing(source):
+            async for frame in source:
+                queue.put_nowait((index, frame))
+        queue.put_nowait((index, None))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)

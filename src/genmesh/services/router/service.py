@@ -69,10 +69,10 @@ class Router:
                 f"no worker is registered in namespace {self.subjects.namespace!r}",
             )
         if envelope.model is not None and not any(w.model == envelope.model for w in workers):
-            served = sorted({w.model for w in workers if w.model})
+            served = ", ".join(sorted({w.model for w in workers if w.model})) or "none reported"
             raise MeshError(
                 ErrorCode.NOT_FOUND,
-                f"model {envelope.model!r} is not served here; served: {', '.join(served)}",
+                f"model {envelope.model!r} is not served here; served: {served}",
             )
         if routing.worker is not None:
             pinned = self.directory.workers.get(routing.worker)
@@ -88,10 +88,11 @@ class Router:
             and (envelope.model is None or w.model == envelope.model)
         ]
         if not candidates:
+            excluded_text = ", ".join(sorted(excluded)) or "none"
             raise MeshError(
                 ErrorCode.NO_WORKER,
-                f"none of the {len(workers)} known workers is eligible "
-                f"(format {envelope.format!r}, excluded: {sorted(excluded) or 'none'})",
+                f"none of the {len(workers)} known workers is eligible (format "
+                f"{envelope.format!r}, model {envelope.model!r}, excluded: {excluded_text})",
             )
         free = [w for w in candidates if not w.full]
         if not free:

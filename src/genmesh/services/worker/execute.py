@@ -26,12 +26,18 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.Frame:
     }
     if out.logprobs is not None:
         frame["logprobs"] = out.logprobs
+    if out.ranks is not None:
+        frame["ranks"] = out.ranks
     if out.top_logprobs is not None:
         frame["top_logprobs"] = out.top_logprobs
     if out.prompt_logprobs is not None:
         frame["prompt_logprobs"] = out.prompt_logprobs
+    if out.prompt_ranks is not None:
+        frame["prompt_ranks"] = out.prompt_ranks
     if out.prompt_top_logprobs is not None:
         frame["prompt_top_logprobs"] = out.prompt_top_logprobs
+    if out.routed_experts is not None:
+        frame["routed_experts"] = out.routed_experts
     if out.cached_tokens is not None:
         frame["cached_tokens"] = out.cached_tokens
     if out.engine:

@@ -263,6 +263,12 @@ class Worker:
                 last = frames.err(rid, 0, reason)
                 await self._send(active, last)
             await self.nc.publish(active.reply, STREAM_TERMINATOR)
+        except CodecError as exc:
+            # An engine value the request's codec cannot carry: say so instead of going silent.
+            log.error("request %s: frame not encodable: %s", rid, exc)
+            last = frames.err(rid, 0, MeshError(ErrorCode.INTERNAL, f"unencodable frame: {exc}"))
+            await self._send(active, last)
+            await self.nc.publish(active.reply, STREAM_TERMINATOR)
         except Exception as exc:  # NATS trouble: the requester's timeouts take over
             log.warning("request %s: could not send its frames: %s", rid, exc)
         finally:
@@ -293,6 +299,7 @@ class Worker:
             return
         # Possibly a cancel that overtook its request: remember it for a while.
         self._tombstones[rid] = time.monotonic()
+        self._tombstones.move_to_end(rid)  # oldest first, so pruning can stop early
         self._prune_tombstones()
 
     def _prune_tombstones(self) -> None:

@@ -18,10 +18,17 @@ class EngineOutput:
 
     tokens: list[int]
     logprobs: list[float] | None = None
+    # 1-based rank of each token among the engine's candidates (with `logprobs`).
+    ranks: list[int] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     # Prompt logprobs, once, from `output.prompt_logprobs_start` on; the first entry is None.
     prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    # MoE routing rows (layers x top-k expert ids, flattened) of the positions this step
+    # ran through the model: the prompt's from `output.routed_experts_start` on in the
+    # first output, then one row per token for the token before it.
+    routed_experts: list[list[int]] | None = None
     cached_tokens: int | None = None
     # {"reason": "eos" | "stop" | "length" | "abort", "matched"?: int, "message"?: str}
     finish: dict[str, Any] | None = None

@@ -79,13 +79,46 @@ class TokenModel:
             out.append((tid, round(best - 0.25 * rank - ((h >> 13) % 250) / 1000.0, 6)))
         return out
 
-    def logprob(self, state: int, token: int) -> float:
-        for tid, lp in self.top(state, MAX_TOP_LOGPROBS):
+    def score(self, state: int, token: int) -> tuple[float, int]:
+        """`token`'s logprob and 1-based rank at `state`, consistent with `top`."""
+        if token == state % self.vocab_size:
+            return self.greedy_logprob(state), 1
+        for rank, (tid, lp) in enumerate(self.top(state, MAX_TOP_LOGPROBS), start=1):
             if tid == token:
-                return lp
+                return lp, rank
         # Below every listed alternative, so top lists and token logprobs agree.
-        tail = ((_mix(state ^ token ^ 0x5BD1E995) >> 11) % 4000) / 1000.0
-        return round(self.greedy_logprob(state) - 0.25 * (MAX_TOP_LOGPROBS + 1) - tail, 6)
+        h = _mix(state ^ token ^ 0x5BD1E995)
+        tail = ((h >> 11) % 4000) / 1000.0
+        logprob = round(self.greedy_logprob(state) - 0.25 * (MAX_TOP_LOGPROBS + 1) - tail, 6)
+        rank = MAX_TOP_LOGPROBS + 1 + int(tail * 10)  # lower logprob, worse rank
+        return logprob, min(rank, self.vocab_size)
+
+    def logprob(self, state: int, token: int) -> float:
+        return self.score(state, token)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertModel:
+    """Deterministic MoE routing: which experts each layer picks at a position."""
+
+    layers: int
+    top_k: int
+    experts: int
+
+    def row(self, state: int) -> list[int]:
+        """layers x top_k distinct-per-layer expert ids, flattened, for the position whose
+        forward pass left the sequence in `state`."""
+        row: list[int] = []
+        for layer in range(self.layers):
+            picked: list[int] = []
+            h = _mix(state ^ (0xE4E4 + layer))
+            while len(picked) < min(self.top_k, self.experts):
+                expert = h % self.experts
+                if expert not in picked:
+                    picked.append(expert)
+                h = _mix(h)
+            row += picked
+        return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +130,10 @@ class MockConfig:
     kv_capacity_tokens: int = 1_048_576
     # 1.0 = the polynomial timing model in real time; 0 = no delay at all.
     speedup: float = 0.0
+    # The shape of the routed-expert rows it reports.
+    moe_layers: int = 4
+    moe_top_k: int = 2
+    moe_experts: int = 16
 
 
 class MockEngine:
@@ -111,6 +148,9 @@ class MockEngine:
         if self.config.speedup < 0:
             raise ValueError("speedup must be >= 0")
         self.model = TokenModel(self.config.vocab_size)
+        self.experts = ExpertModel(
+            self.config.moe_layers, self.config.moe_top_k, self.config.moe_experts
+        )
         self._active_kv_tokens = 0
 
     async def start(self) -> None:
@@ -128,6 +168,7 @@ class MockEngine:
             "eos_token_id": c.eos_token_id,
             "max_model_len": c.max_model_len,
             "speedup": c.speedup,
+            "moe": {"layers": c.moe_layers, "top_k": c.moe_top_k, "experts": c.moe_experts},
         }
 
     def _check(self, env: Envelope) -> int:
@@ -185,33 +226,35 @@ class MockEngine:
         want_lp = env.output.logprobs
         k = env.output.top_logprobs
         start = env.output.prompt_logprobs_start
+        experts_from = env.output.routed_experts_start
 
         state = initial_state(env.sampling.seed or 0)
-        prompt_lps: list[float | None] | None = None
-        prompt_tops: list[TopLogprobs | None] | None = None
-        if start is not None:
-            prompt_lps, prompt_tops = [], []
+        prompt_lps: list[float | None] = []
+        prompt_ranks: list[int | None] = []
+        prompt_tops: list[TopLogprobs | None] = []
+        rows: list[list[int]] = []
         for i, tid in enumerate(prompt):
-            if prompt_lps is not None and prompt_tops is not None and start is not None:
+            if start is not None and i >= start:
                 # SGLang's shift: the first requested position has no logprob.
-                if i == start:
-                    prompt_lps.append(None)
-                    prompt_tops.append(None)
-                elif i > start:
-                    prompt_lps.append(model.logprob(state, tid))
-                    prompt_tops.append(model.top(state, k) if k else None)
+                lp, rank = (None, None) if i == start else model.score(state, tid)
+                prompt_lps.append(lp)
+                prompt_ranks.append(rank)
+                prompt_tops.append(model.top(state, k) if k and i > start else None)
             state = advance(state, tid)
+            if experts_from is not None and i >= experts_from:
+                rows.append(self.experts.row(state))
 
         kv = len(prompt)
         self._active_kv_tokens += kv
         try:
             await self._sleep_ms(prefill_ms(len(prompt)))
-            first = EngineOutput(
-                tokens=[],
-                prompt_logprobs=prompt_lps,
-                prompt_top_logprobs=prompt_tops if k else None,
-                cached_tokens=0,
-            )
+            first = EngineOutput(tokens=[], cached_tokens=0)
+            if start is not None:
+                first.prompt_logprobs = prompt_lps
+                first.prompt_ranks = prompt_ranks
+                first.prompt_top_logprobs = prompt_tops if k else None
+            if experts_from is not None:
+                first.routed_experts = rows
             if budget == 0:
                 first.finish = {"reason": "length"}
                 first.usage = _usage(len(prompt), 0)
@@ -240,8 +283,12 @@ class MockEngine:
                 out.tokens = [token]
                 if want_lp:
                     out.logprobs = [logprob]
+                    out.ranks = [model.score(state, token)[1]]
                 if k:
                     out.top_logprobs = [model.top(state, k)]
+                if experts_from is not None and n:
+                    # The previous token's forward pass; the last token never gets one.
+                    out.routed_experts = [self.experts.row(state)]
                 state = advance(state, token)
                 self._active_kv_tokens += 1
                 kv += 1
