@@ -197,7 +197,7 @@ def _per_item(body: Mapping[str, Any], key: str, count: int, batch: bool) -> lis
     value = body.get(key)
     if isinstance(value, list):
         if not batch:
-            raise _type_error(f"{key}: a list is only allowed with batch input_ids")
+            raise _value_error(f"{key}: a list is only allowed with batch input_ids")
         if len(value) != count:
             raise _value_error(f"{key} has {len(value)} entries for {count} prompts")
         return value
@@ -362,7 +362,7 @@ def _rids(
     rid = body.get("rid")
     if isinstance(rid, list):
         if not batch:
-            raise _type_error("rid: a list is only allowed with batch input_ids")
+            raise _value_error("rid: a list is only allowed with batch input_ids")
         if len(rid) != count or not all(isinstance(r, str) for r in rid):
             raise _value_error(f"rid: expected {count} strings, one per prompt")
         if len(set(rid)) != len(rid):
