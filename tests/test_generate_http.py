@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,10 +20,25 @@ from genmesh.services.worker.engines.mock import (
     advance,
     initial_state,
 )
+from tests.conftest import unique_namespace
 from tests.http_util import post, stream
-from tests.mesh import Mesh, wait_until
+from tests.mesh import Mesh, start_mesh, wait_until
 
 VOCAB, EOS = 1000, 7  # the shared mesh's mock settings (tests/conftest.py)
+
+
+@pytest.fixture
+def own_worker_mesh(nats_url: str, tmp_path: Path) -> Iterator[Mesh]:
+    """A mesh of its own with one slow worker, for tests that watch worker counters."""
+    own = start_mesh(
+        nats_url,
+        tmp_path,
+        namespace=unique_namespace("slow"),
+        workers=1,
+        worker_opts={"speedup": 0.05},
+    )
+    yield own
+    own.stop()
 
 
 async def reference(prompt: list[int], **kwargs: Any) -> list[EngineOutput]:
@@ -372,3 +391,115 @@ async def test_info_endpoints_look_like_sglang(mesh: Mesh) -> None:
             models = await r.json()
         assert models["object"] == "list"
         assert models["data"][0]["id"] == "genmesh-mock"
+
+
+async def test_batch_answers_in_input_order_with_rid_suffixes(mesh: Mesh) -> None:
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"input_ids": prompts, "rid": "job", "sampling_params": {"max_new_tokens": 4}},
+    )
+    assert reply.status == 200, reply.body
+    assert isinstance(reply.body, list)
+    assert [item["meta_info"]["id"] for item in reply.body] == ["job_0", "job_1", "job_2"]
+    assert reply.headers["x-request-id"] == "job"
+    for prompt, item in zip(prompts, reply.body, strict=True):
+        assert item["output_ids"] == tokens_of(await reference(prompt, max_tokens=4))
+        assert item["meta_info"]["prompt_tokens"] == len(prompt)
+
+
+async def test_batch_with_per_prompt_fields(mesh: Mesh) -> None:
+    reply = await post(
+        mesh.http_url + "/generate",
+        {
+            "input_ids": [[1, 2], [3, 4]],
+            "rid": ["a", "b"],
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3}],
+            "return_logprob": [False, True],
+        },
+    )
+    assert reply.status == 200, reply.body
+    first, second = reply.body
+    assert (first["meta_info"]["id"], second["meta_info"]["id"]) == ("a", "b")
+    assert len(first["output_ids"]) == 1
+    assert len(second["output_ids"]) == 3
+    assert "output_token_logprobs" not in first["meta_info"]
+    assert len(second["meta_info"]["output_token_logprobs"]) == 3
+
+
+async def test_n_samples_are_contiguous_per_prompt(mesh: Mesh) -> None:
+    reply = await post(
+        mesh.http_url + "/generate",
+        {"input_ids": [[1, 2], [3]], "rid": "r", "sampling_params": {"max_new_tokens": 2, "n": 3}},
+    )
+    assert reply.status == 200, reply.body
+    assert len(reply.body) == 6
+    assert [item["meta_info"]["prompt_tokens"] for item in reply.body] == [2, 2, 2, 1, 1, 1]
+    ids = [item["meta_info"]["id"] for item in reply.body]
+    assert len(set(ids)) == 6  # with n > 1 SGLang gives every sample a fresh id
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+
+
+async def test_batch_stream_interleaves_with_index(mesh: Mesh) -> None:
+    body = {"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 5}}
+    sse = await stream(mesh.http_url + "/generate", body)
+    assert sse.status == 200
+    assert sse.events[-1] == "[DONE]"
+    chunks = sse.events[:-1]
+    assert {c["index"] for c in chunks} == {0, 1}
+    unary = await post(mesh.http_url + "/generate", body)
+    for index in (0, 1):
+        mine = [c for c in chunks if c["index"] == index]
+        assert [t for c in mine for t in c["output_ids"]] == unary.body[index]["output_ids"]
+        assert mine[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+async def test_routed_experts_match_the_engine(mesh: Mesh) -> None:
+    prompt = [7, 8, 9, 10]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+        "return_routed_experts": True,
+        "routed_experts_start_len": 1,
+    }
+    reply = await post(mesh.http_url + "/generate", body)
+    assert reply.status == 200, reply.body
+    outputs = await reference(prompt, max_tokens=5, ignore_eos=True)
+    engine = MockEngine(MockConfig())
+    layers, top_k = engine.config.moe_layers, engine.config.moe_top_k
+    raw = base64.b64decode(reply.body["meta_info"]["routed_experts"])
+    values = list(struct.unpack(f"<{len(raw) // 4}i", raw))
+    seqlen = len(prompt) + 5
+    assert len(values) == (seqlen - 1 - 1) * layers * top_k  # SGLang's shape
+    # The rows are deterministic: compute them from the same states the engine visits.
+    state = initial_state(0)
+    expected: list[int] = []
+    for i, tid in enumerate(prompt + tokens_of(outputs)[:-1]):
+        state = advance(state, tid)
+        if i >= 1:
+            expected += engine.experts.row(state)
+    assert values == expected
+    sse = await stream(mesh.http_url + "/generate", body)
+    joined = b"".join(base64.b64decode(c["meta_info"]["routed_experts"]) for c in sse.events[:-1])
+    assert joined == raw  # stream deltas join to the unary value
+
+
+async def test_batch_disconnect_cancels_every_item(own_worker_mesh: Mesh) -> None:
+    import aiohttp
+
+    mesh = own_worker_mesh
+    body = {
+        "input_ids": [[1], [2], [3]],
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as s, s.post(mesh.http_url + "/generate", json=body) as r:
+        assert r.status == 200
+        await r.content.readuntil(b"\n\n")
+
+    def all_cancelled() -> bool:
+        workers = mesh.server_info()["genmesh"]["workers"]
+        stats = [w["stats"] for w in workers]
+        return sum(s["cancelled"] for s in stats) == 3 and all(w["inflight"] == 0 for w in workers)
+
+    wait_until(all_cancelled, timeout=5, what="all three items to be cancelled")
