@@ -199,8 +199,11 @@ class MeshClient:
             while True:
                 timeout = self.ack_timeout_s if expected_seq == 0 else self.idle_timeout_s
                 try:
-                    async with asyncio.timeout(timeout):
-                        msg = await queue.get()
+                    if queue.empty():  # a timer only when there is something to wait for
+                        async with asyncio.timeout(timeout):
+                            msg = await queue.get()
+                    else:
+                        msg = queue.get_nowait()
                 except TimeoutError:
                     what = "acknowledged the request" if expected_seq == 0 else "sent a frame"
                     yield frames.synthetic_err(

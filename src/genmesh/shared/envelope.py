@@ -9,7 +9,7 @@ ignored so that newer requesters can talk to older workers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -137,6 +137,9 @@ class Sampling:
             )
         return sampling
 
+    def copy(self) -> Sampling:
+        return replace(self, stop_token_ids=list(self.stop_token_ids))
+
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos}
         for key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
@@ -204,6 +207,9 @@ class Routing:
             cache_salt=_str(obj, "cache_salt", w),
             session=_str(obj, "session", w),
         )
+
+    def copy(self) -> Routing:
+        return replace(self, exclude=list(self.exclude))
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -9,10 +9,9 @@ has one.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
@@ -429,9 +428,9 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
                     token_ids=prompt,
                     format="sglang",
                     client_id=item_id,
-                    sampling=copy.deepcopy(samplings[b]),
-                    output=copy.deepcopy(outputs[b]),
-                    routing=copy.deepcopy(routing),
+                    sampling=samplings[b].copy(),
+                    output=replace(outputs[b]),
+                    routing=routing.copy(),
                     engine=native,
                 )
             )

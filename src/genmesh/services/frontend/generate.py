@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
@@ -32,11 +32,12 @@ SSE_KEEPALIVE = b": keep-alive\n\n"
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON, as SGLang writes it (orjson: also the fastest on the per-token path)."""
+    return orjson.dumps(obj).decode()
 
 
 def sse_event(payloads: list[Any]) -> bytes:
-    return "".join(f"data: {dumps(p)}\n\n" for p in payloads).encode()
+    return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in payloads)
 
 
 class GenerateHandler:
