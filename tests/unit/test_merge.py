@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import copy
 import itertools
+import random
 import time
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genmesh.formats.merge import Merger, Rule, fold
-from genmesh.formats.sglang.request import SglangOptions
+from genmesh.formats.merge import Merger, Rule, concat, fold
+from genmesh.formats.sglang.request import ItemOptions, SglangOptions
 from genmesh.formats.sglang.response import MERGE_RULES, SglangExchange
 from genmesh.shared import frames
 
@@ -65,6 +66,96 @@ def test_single_delta_chunk_is_copied() -> None:
     result = fold([chunk], {"ids": Rule.DELTA})
     result["ids"].append(2)
     assert chunk == {"ids": [1]}
+
+
+# ---------------------------------------------------------------- joiners
+
+
+def test_concat_joins_lists_and_strings() -> None:
+    assert concat([[1], [], [2, 3], [4]]) == [1, 2, 3, 4]
+    assert concat([[1]]) == [1]
+    assert concat(["Hel", "", "lo"]) == "Hello"
+    assert concat(["x"]) == "x"
+    assert concat([[[1, 2]], [[3]]]) == [[1, 2], [3]]  # one level only
+
+
+def test_concat_returns_a_new_list() -> None:
+    pieces = [[1, 2], [3]]
+    out = concat(pieces)
+    assert out is not pieces[0]
+    out.append(9)
+    assert pieces == [[1, 2], [3]]
+
+
+def test_custom_joiner_is_called_once_with_all_pieces_in_order() -> None:
+    calls: list[list[Any]] = []
+
+    def join(pieces: list[Any]) -> Any:
+        calls.append(list(pieces))
+        return "|".join(pieces)
+
+    rules = {"m.b64": Rule.DELTA, "ids": Rule.DELTA}
+    merger = Merger(rules, {"m.b64": join})
+    chunks = [
+        {"ids": [1], "m": {"b64": "AA"}},
+        {"ids": [2], "m": {"b64": None}},  # nulls are not pieces
+        {"ids": [], "m": {"b64": ""}},
+        {"m": {"b64": "BB"}},
+        {"ids": [3], "m": {"b64": "CC"}},
+    ]
+    for chunk in chunks:
+        merger.add(chunk)
+    assert calls == []  # pieces are kept aside until the end
+    result = merger.result()
+    assert calls == [["AA", "", "BB", "CC"]]
+    # the custom joiner's output stands; other delta fields still use `concat`
+    assert result == {"ids": [1, 2, 3], "m": {"b64": "AA||BB|CC"}}
+
+
+def test_joiner_is_keyed_by_the_full_dotted_path() -> None:
+    rules = {"a.x": Rule.DELTA, "b.x": Rule.DELTA}
+    joined = fold(
+        [{"a": {"x": [1]}, "b": {"x": [1]}}, {"a": {"x": [2]}, "b": {"x": [2]}}],
+        rules,
+        {"b.x": lambda pieces: sum(sum(p) for p in pieces)},
+    )
+    assert joined == {"a": {"x": [1, 2]}, "b": {"x": 3}}
+
+
+def test_joiner_is_not_called_without_pieces() -> None:
+    def boom(pieces: list[Any]) -> Any:
+        raise AssertionError(f"called with {pieces}")
+
+    assert fold([{"d": None}, {"d": None}], {"d": Rule.DELTA}, {"d": boom}) == {"d": None}
+
+
+def test_joiner_for_a_path_without_a_delta_rule_is_unused() -> None:
+    def boom(pieces: list[Any]) -> Any:
+        raise AssertionError(f"called with {pieces}")
+
+    out = fold([{"v": [1]}, {"v": [2]}], {}, {"v": boom})
+    assert out == {"v": [2]}  # `last`, the default rule
+
+
+def test_fold_with_joiners_equals_merger_with_joiners() -> None:
+    def join(pieces: list[Any]) -> Any:
+        return tuple(x for p in pieces for x in p)
+
+    chunks = [{"d": [1]}, {"d": [2, 3]}]
+    merger = Merger({"d": Rule.DELTA}, {"d": join})
+    for chunk in chunks:
+        merger.add(chunk)
+    assert merger.result() == fold(chunks, {"d": Rule.DELTA}, {"d": join}) == {"d": (1, 2, 3)}
+    assert fold(chunks, {"d": Rule.DELTA}, None) == {"d": [1, 2, 3]}
+
+
+def test_delta_result_is_repeatable_and_sees_later_pieces() -> None:
+    merger = Merger({"d": Rule.DELTA})
+    merger.add({"d": [1]})
+    assert merger.result() == {"d": [1]}
+    assert merger.result() == {"d": [1]}
+    merger.add({"d": [2]})
+    assert merger.result() == {"d": [1, 2]}
 
 
 # ---------------------------------------------------------------- last / prompt
@@ -178,6 +269,11 @@ def test_key_order_is_first_appearance() -> None:
 
 def test_fold_of_nothing_is_empty() -> None:
     assert fold([], MERGE_RULES) == {}
+
+
+def test_non_map_value_replacing_a_parent_map_is_the_last_value() -> None:
+    rules = {"meta.ids": Rule.DELTA}
+    assert fold([{"meta": {"ids": [1]}}, {"meta": 5}], rules) == {"meta": 5}
 
 
 # ---------------------------------------------------------------- SGLang chunk folding
@@ -316,15 +412,22 @@ def frames_for(
     return out
 
 
-def render_fold(frames_: list[dict[str, Any]], prompt: list[int], top_k: int) -> dict[str, Any]:
-    options = SglangOptions(
-        prompt_tokens=len(prompt), return_logprob=True, top_logprobs_num=top_k, max_new_tokens=50
+def item_options(prompt: list[int], top_k: int, public_id: str | None = None) -> ItemOptions:
+    return ItemOptions(
+        public_id=public_id,
+        prompt_tokens=len(prompt),
+        return_logprob=True,
+        top_logprobs_num=top_k,
+        max_new_tokens=50,
     )
-    exchange = SglangExchange(options, "pub-9", prompt, time.monotonic())
+
+
+def render_fold(frames_: list[dict[str, Any]], prompt: list[int], top_k: int) -> dict[str, Any]:
+    options = SglangOptions(items=[item_options(prompt, top_k)], multi=False)
+    exchange = SglangExchange(options, "pub-9", [prompt], time.monotonic())
     merger = Merger(MERGE_RULES)
     for frame in frames_:
-        for chunk in exchange.render(frame):
-            merger.add(chunk)
+        merger.add(exchange.render(0, frame))
     result = merger.result()
     assert result["meta_info"].pop("e2e_latency") >= 0
     return result
@@ -353,3 +456,74 @@ def test_rendered_frames_fold_like_one_frame(case: tuple[list[int], list[int]], 
         assert len(meta["output_top_logprobs"]) == len(tokens)
     else:
         assert "output_top_logprobs" not in meta
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[tuple[list[int], list[int], list[int]]]:
+    """Items of a batch: (prompt, tokens, cut points for the frames)."""
+    out = []
+    for _ in range(draw(st.integers(min_value=1, max_value=4))):
+        prompt = draw(st.lists(st.integers(min_value=0, max_value=999), min_size=1, max_size=5))
+        tokens = draw(st.lists(st.integers(min_value=0, max_value=999), max_size=20))
+        out.append((prompt, tokens, draw(splits(len(tokens)))))
+    return out
+
+
+def render_batch(
+    case: list[tuple[list[int], list[int], list[int]]],
+    top_k: int,
+    order: list[int] | None,
+    *,
+    split: bool,
+) -> list[dict[str, Any]]:
+    """Render every item's frames through one exchange, interleaved in `order` (item
+    indices), and fold each item's records on their own."""
+    options = SglangOptions(
+        items=[item_options(prompt, top_k, f"item-{i}") for i, (prompt, _, _) in enumerate(case)],
+        multi=True,
+    )
+    exchange = SglangExchange(options, "pub", [p for p, _, _ in case], time.monotonic())
+    queues = [
+        iter(frames_for(tokens, cuts if split else [], prompt, top_k))
+        for prompt, tokens, cuts in case
+    ]
+    if order is None:
+        order = list(range(len(case)))  # one frame per item
+    mergers = [Merger(MERGE_RULES) for _ in case]
+    for index in order:
+        record = exchange.render(index, next(queues[index]))
+        (payload,) = exchange.sse(index, record)
+        assert payload["index"] == index
+        mergers[index].add(record)
+    assert all(next(q, None) is None for q in queues)  # every frame was rendered
+    folded = [m.result() for m in mergers]
+    for record in folded:
+        assert record["meta_info"].pop("e2e_latency") >= 0
+    assert exchange.body(folded) == folded
+    return folded
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(), st.sampled_from([0, 2]), st.randoms(use_true_random=False))
+def test_batch_items_fold_alike_however_frames_split_and_interleave(
+    case: list[tuple[list[int], list[int], list[int]]], top_k: int, rnd: random.Random
+) -> None:
+    # one frame per item, items in order
+    one = render_batch(case, top_k, None, split=False)
+    # each item's tokens cut into frames, items interleaved at random
+    order = [i for i, (_, tokens, cuts) in enumerate(case) for _ in pieces(tokens, cuts)]
+    rnd.shuffle(order)
+    many = render_batch(case, top_k, order, split=True)
+    assert many == one
+    assert keys_deep(many) == keys_deep(one)
+    for i, ((prompt, tokens, _), record) in enumerate(zip(case, many, strict=True)):
+        meta = record["meta_info"]
+        assert record["output_ids"] == tokens
+        assert meta["id"] == f"item-{i}"
+        assert meta["completion_tokens"] == len(tokens)
+        assert meta["prompt_tokens"] == len(prompt)
+        assert meta["finish_reason"] == {"type": "stop", "matched": 7}
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt
+        if top_k:
+            assert len(meta["output_top_logprobs"]) == len(tokens)

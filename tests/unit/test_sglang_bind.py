@@ -1,29 +1,44 @@
-"""SGLang /generate: `bind` (request -> envelope) and `SglangExchange.render` (frames -> chunks)."""
+"""SGLang /generate: `parse` + `bind` (request -> one envelope per generation) and
+`SglangExchange` (frames -> records, SSE payloads, unary bodies)."""
 
 from __future__ import annotations
 
+import base64
+import itertools
 import json
+import re
+import struct
 import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from genmesh.formats.base import Bound, RequestRejected
-from genmesh.formats.sglang import SglangFormat
+from genmesh.formats.merge import Merger, fold
+from genmesh.formats.sglang import SglangFormat, request
 from genmesh.formats.sglang.request import (
     _INTERNAL,
     _PASSTHROUGH,
     _UNSUPPORTED,
     DEFAULT_MAX_NEW_TOKENS,
     KNOWN_FIELDS,
+    ItemOptions,
     SglangOptions,
-    bind,
 )
-from genmesh.formats.sglang.response import MERGE_RULES, SglangExchange, native_finish_reason
+from genmesh.formats.sglang.response import (
+    JOINERS,
+    MERGE_RULES,
+    SglangExchange,
+    native_finish_reason,
+)
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
+
+RANDOM_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def body(**fields: Any) -> bytes:
@@ -34,13 +49,37 @@ def sp(**params: Any) -> bytes:
     return body(sampling_params=params)
 
 
+def batch(*prompts: list[int], **fields: Any) -> bytes:
+    return json.dumps({"input_ids": list(prompts), **fields}).encode()
+
+
+def bind_raw(raw: bytes, headers: Any = None) -> Bound:
+    """What the handler does: parse the bytes, then bind the JSON value."""
+    return request.bind(request.parse(raw), headers if headers is not None else {})
+
+
 def ok(raw: bytes, headers: dict[str, str] | None = None) -> Bound:
-    return bind(raw, headers or {})
+    return bind_raw(raw, headers)
+
+
+def single(bound: Bound) -> Envelope:
+    """The one envelope of a single (non-batch, n = 1) request."""
+    assert len(bound.items) == 1
+    assert isinstance(bound.options, SglangOptions)
+    assert len(bound.options.items) == 1
+    assert bound.options.multi is False
+    return bound.items[0]
+
+
+def item_options(bound: Bound) -> list[ItemOptions]:
+    assert isinstance(bound.options, SglangOptions)
+    assert len(bound.options.items) == len(bound.items)
+    return bound.options.items
 
 
 def rejected(raw: bytes, headers: dict[str, str] | None = None) -> RequestRejected:
     with pytest.raises(RequestRejected) as info:
-        bind(raw, headers or {})
+        bind_raw(raw, headers)
     return info.value
 
 
@@ -64,6 +103,30 @@ def assert_value(exc: RequestRejected, fragment: str) -> None:
     assert fragment in exc.message
 
 
+# ---------------------------------------------------------------- parse
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        (b'{"input_ids": [1]}', {"input_ids": [1]}),
+        (b"[1, 2]", [1, 2]),
+        (b"null", None),
+        (b'"x"', "x"),
+    ],
+)
+def test_parse_returns_the_json_value(raw: bytes, value: Any) -> None:
+    assert request.parse(raw) == value
+
+
+def test_bind_takes_parsed_json_not_bytes() -> None:
+    env = single(request.bind({"input_ids": [4, 5]}, {}))
+    assert env.token_ids == [4, 5]
+    with pytest.raises(RequestRejected) as info:
+        request.bind(b'{"input_ids": [4, 5]}', {})
+    assert_legacy(info.value, "request body must be a JSON object, got bytes")
+
+
 # ---------------------------------------------------------------- legacy-shape rejections
 
 
@@ -82,14 +145,28 @@ def assert_value(exc: RequestRejected, fragment: str) -> None:
         (json.dumps({"input_ids": [1, "2"]}).encode(), "input_ids[1]: Input should be a valid int"),
         (json.dumps({"input_ids": [1, True]}).encode(), "input_ids[1]"),
         (json.dumps({"input_ids": [1.5]}).encode(), "input_ids[0]"),
+        # not a batch (the first entry is a token), so a nested list is a bad token
+        (json.dumps({"input_ids": [1, [2]]}).encode(), "input_ids[1]: Input should be a valid int"),
+        # a batch (the first entry is a list): every entry must be a list of tokens
+        (batch([1, 2], 3), "input_ids[1]: Input should be a valid list (batch items are lists)"),
+        (batch([1], [2, "x"]), "input_ids[1][1]: Input should be a valid integer"),
+        (batch([1], [[2]]), "input_ids[1][0]: Input should be a valid integer"),
+        (batch([True]), "input_ids[0][0]: Input should be a valid integer"),
         (body(rid=5), "rid: Input should be a valid string"),
+        (batch([1], [2], rid=5), "rid: Input should be a valid string"),
         (body(sampling_params="greedy"), "sampling_params: Input should be a valid dictionary"),
         (body(sampling_params=3), "sampling_params: Input should be a valid dictionary"),
+        (
+            batch([1], [2], sampling_params=[{}, "greedy"]),
+            "sampling_params: Input should be a valid dictionary",
+        ),
         (sp(max_new_tokens="10"), "sampling_params.max_new_tokens: Input should be a valid int"),
         (sp(max_new_tokens=1.5), "sampling_params.max_new_tokens"),
         (sp(max_new_tokens=True), "sampling_params.max_new_tokens"),
         (sp(min_new_tokens="1"), "sampling_params.min_new_tokens: Input should be a valid int"),
         (sp(n="2"), "sampling_params.n: Input should be a valid integer"),
+        (sp(n=True), "sampling_params.n: Input should be a valid integer"),
+        (sp(n=2.0), "sampling_params.n: Input should be a valid integer"),
         (sp(temperature="hot"), "sampling_params.temperature: Input should be a valid number"),
         (sp(temperature=True), "sampling_params.temperature: Input should be a valid number"),
         (sp(top_p=[1]), "sampling_params.top_p: Input should be a valid number"),
@@ -107,13 +184,19 @@ def assert_value(exc: RequestRejected, fragment: str) -> None:
         (sp(ignore_eos="yes"), "sampling_params.ignore_eos: Input should be a valid boolean"),
         (sp(ignore_eos=1), "sampling_params.ignore_eos: Input should be a valid boolean"),
         (body(stream="yes"), "stream: Input should be a valid boolean"),
+        (batch([1], [2], stream=[True, False]), "stream: Input should be a valid boolean"),
         (body(return_logprob=1), "return_logprob: Input should be a valid boolean"),
+        (batch([1], [2], return_logprob=[True, 1]), "return_logprob: Input should be a valid"),
         (body(logprob_start_len="0"), "logprob_start_len: Input should be a valid integer"),
+        (batch([1], [2], logprob_start_len=[0, "0"]), "logprob_start_len: Input should be a"),
         (body(top_logprobs_num=1.0), "top_logprobs_num: Input should be a valid integer"),
+        (batch([1], [2], top_logprobs_num=[1.0, 0]), "top_logprobs_num: Input should be a valid"),
         (body(routed_dp_rank="0"), "routed_dp_rank: Input should be a valid integer"),
         (body(data_parallel_rank=True), "data_parallel_rank: Input should be a valid integer"),
         (body(priority="high"), "priority: Input should be a valid integer"),
         (body(extra_key=5), "extra_key: Input should be a valid string"),
+        (body(return_routed_experts="yes"), "return_routed_experts: Input should be a valid"),
+        (body(routed_experts_start_len="0"), "routed_experts_start_len: Input should be a"),
     ],
 )
 def test_type_errors_use_the_legacy_shape(raw: bytes, fragment: str) -> None:
@@ -134,19 +217,27 @@ def test_deeply_nested_body_is_rejected() -> None:
         # prompts
         (json.dumps({"text": "Hello"}).encode(), "text prompts need a tokenizer"),
         (body(text="Hello"), "send input_ids instead"),
+        (json.dumps({"text": ["a", "b"]}).encode(), "text prompts need a tokenizer"),
         (json.dumps({}).encode(), "Either text or input_ids should be provided."),
         (json.dumps({"input_ids": None}).encode(), "Either text or input_ids should be provided."),
         (json.dumps({"input_ids": []}).encode(), "input_ids cannot be empty."),
-        (json.dumps({"input_ids": [[1, 2], [3]]}).encode(), "batch input"),
-        (json.dumps({"input_ids": [1, [2]]}).encode(), "batch input"),
+        (json.dumps({"input_ids": [[]]}).encode(), "input_ids cannot be empty."),
+        (batch([1, 2], []), "input_ids cannot be empty."),
         (json.dumps({"input_ids": [1, -1]}).encode(), "input_ids[1]: token id -1 is out of range"),
         (json.dumps({"input_ids": [2**31]}).encode(), "out of range"),
-        # batch-only forms
-        (body(rid=["a", "b"]), "rid: a list of rids is for batch input"),
-        (body(sampling_params=[{}, {}]), "sampling_params: a list of sampling_params"),
+        (batch([1], [2, -1]), "input_ids[1][1]: token id -1 is out of range"),
+        (batch([2**31]), "input_ids[0][0]: token id 2147483648 is out of range"),
+        # batch-only forms on a single request
+        (body(rid=["a", "b"]), "rid: a list is only allowed with batch input_ids"),
+        (body(rid=["a"]), "rid: a list is only allowed with batch input_ids"),
+        (body(sampling_params=[{}, {}]), "sampling_params: a list is only allowed with batch"),
+        (body(sampling_params=[{}]), "sampling_params: a list is only allowed with batch"),
+        (body(return_logprob=[True]), "return_logprob: a list is only allowed with batch"),
+        (body(logprob_start_len=[0]), "logprob_start_len: a list is only allowed with batch"),
+        (body(top_logprobs_num=[1]), "top_logprobs_num: a list is only allowed with batch"),
         # parallel sampling
-        (sp(n=2), "parallel sampling (n=2) is not supported yet; send n=1"),
-        (sp(n=0), "parallel sampling (n=0)"),
+        (sp(n=0), "sampling_params.n must be at least 1, got 0"),
+        (sp(n=-3), "sampling_params.n must be at least 1, got -3"),
         # budgets
         (sp(max_new_tokens=-1), "max_new_tokens must be at least 0, got -1."),
         (
@@ -215,17 +306,19 @@ def test_unknown_fields_reported_before_anything_else() -> None:
 def test_internal_bootstrap_fields_refused(field: str) -> None:
     exc = rejected(body(**{field: 1}))
     assert_value(exc, f"`{field}` is internal routing state and cannot be set by clients")
+    exc = rejected(batch([1], [2], **{field: [1, 2]}))
+    assert_value(exc, f"`{field}` is internal routing state")
 
 
 def test_internal_fields_may_be_null() -> None:
     bound = ok(body(**dict.fromkeys(_INTERNAL)))
-    assert bound.envelope.token_ids == [1, 2, 3]
+    assert single(bound).token_ids == [1, 2, 3]
 
 
 @pytest.mark.parametrize(("field", "reason"), sorted(_UNSUPPORTED.items()))
 def test_unsupported_fields_refused(field: str, reason: str) -> None:
     value: Any = {"id": "s"} if field == "session_params" else "x"
-    if field in ("return_hidden_states", "return_routed_experts"):
+    if field == "return_hidden_states":
         value = True
     exc = rejected(body(**{field: value}))
     assert_value(exc, reason)
@@ -235,17 +328,17 @@ def test_unsupported_fields_refused(field: str, reason: str) -> None:
 @pytest.mark.parametrize("empty", [None, False, [], {}])
 @pytest.mark.parametrize("field", sorted(_UNSUPPORTED))
 def test_unsupported_fields_with_empty_values_accepted(field: str, empty: Any) -> None:
-    assert ok(body(**{field: empty})).envelope.engine[field] == empty
+    assert single(ok(body(**{field: empty}))).engine[field] == empty
 
 
 @pytest.mark.parametrize("stop", [None, [], ""])
 def test_empty_stop_accepted(stop: Any) -> None:
-    assert ok(sp(stop=stop)).envelope.sampling.stop_token_ids == []
+    assert single(ok(sp(stop=stop))).sampling.stop_token_ids == []
 
 
 def test_one_guided_key_is_accepted_and_passed_through() -> None:
     bound = ok(sp(regex="a+", json_schema=None))
-    assert bound.envelope.engine["sampling_params"]["regex"] == "a+"
+    assert single(bound).engine["sampling_params"]["regex"] == "a+"
 
 
 @pytest.mark.parametrize(
@@ -267,19 +360,21 @@ def test_one_guided_key_is_accepted_and_passed_through() -> None:
     ],
 )
 def test_boundary_values_accepted(params: dict[str, Any]) -> None:
-    ok(sp(**params))
+    single(ok(sp(**params)))
 
 
 def test_logprob_start_len_only_checked_with_return_logprob() -> None:
     bound = ok(body(logprob_start_len=50))
-    assert bound.envelope.output == OutputOptions()
+    assert single(bound).output == OutputOptions()
 
 
 @pytest.mark.parametrize("field", sorted(_PASSTHROUGH))
 def test_passthrough_fields_accepted_and_kept(field: str) -> None:
     assert field in KNOWN_FIELDS
-    bound = ok(body(**{field: "v"}))
-    assert bound.envelope.engine == {field: "v"}
+    engine = single(ok(body(**{field: "v"}))).engine
+    assert engine[field] == "v"
+    # Nothing else of the body leaks into the engine payload.
+    assert engine == {field: "v"}
 
 
 # ---------------------------------------------------------------- projection
@@ -287,7 +382,7 @@ def test_passthrough_fields_accepted_and_kept(field: str) -> None:
 
 def test_defaults() -> None:
     bound = ok(json.dumps({"input_ids": [5, 6]}).encode())
-    env = bound.envelope
+    env = single(bound)
     assert env.id == ""  # minted by the shared handler
     assert env.format == "sglang"
     assert env.token_ids == [5, 6]
@@ -296,36 +391,48 @@ def test_defaults() -> None:
     assert env.output == OutputOptions()
     assert env.routing == Routing()
     assert env.client_id is None
-    assert env.engine == {}
+    assert env.engine == {}  # the native payload is the body as sent
     assert bound.stream is False
     assert bound.client_id is None
     assert bound.migration is None
     assert bound.options == SglangOptions(
-        prompt_tokens=2, return_logprob=False, top_logprobs_num=0, max_new_tokens=128
+        items=[
+            ItemOptions(
+                public_id=None,
+                prompt_tokens=2,
+                return_logprob=False,
+                top_logprobs_num=0,
+                max_new_tokens=128,
+                return_routed_experts=False,
+            )
+        ],
+        multi=False,
     )
 
 
 def test_null_max_new_tokens_means_uncapped() -> None:
     bound = ok(sp(max_new_tokens=None))
-    assert bound.envelope.sampling.max_tokens is None
-    assert bound.options.max_new_tokens is None
+    assert single(bound).sampling.max_tokens is None
+    assert item_options(bound)[0].max_new_tokens is None
 
 
 def test_sampling_projection() -> None:
-    env = ok(
-        sp(
-            max_new_tokens=64,
-            min_new_tokens=2,
-            temperature=0.7,
-            top_p=0.9,
-            top_k=40,
-            min_p=0.05,
-            sampling_seed=1234,
-            stop_token_ids=[2, 151645],
-            ignore_eos=True,
-            frequency_penalty=0.5,
+    env = single(
+        ok(
+            sp(
+                max_new_tokens=64,
+                min_new_tokens=2,
+                temperature=0.7,
+                top_p=0.9,
+                top_k=40,
+                min_p=0.05,
+                sampling_seed=1234,
+                stop_token_ids=[2, 151645],
+                ignore_eos=True,
+                frequency_penalty=0.5,
+            )
         )
-    ).envelope
+    )
     assert env.sampling == Sampling(
         max_tokens=64,
         min_tokens=2,
@@ -341,85 +448,92 @@ def test_sampling_projection() -> None:
 
 
 def test_top_k_minus_one_is_none() -> None:
-    assert ok(sp(top_k=-1)).envelope.sampling.top_k is None
+    assert single(ok(sp(top_k=-1))).sampling.top_k is None
 
 
 def test_integer_sampling_numbers_become_floats() -> None:
-    s = ok(sp(temperature=1, top_p=1, min_p=0)).envelope.sampling
+    s = single(ok(sp(temperature=1, top_p=1, min_p=0))).sampling
     assert (s.temperature, s.top_p, s.min_p) == (1.0, 1.0, 0.0)
     assert all(isinstance(v, float) for v in (s.temperature, s.top_p, s.min_p))
 
 
 def test_return_logprob_default_start_is_last_prompt_position() -> None:
     bound = ok(body(return_logprob=True))
-    assert bound.envelope.output == OutputOptions(
+    assert single(bound).output == OutputOptions(
         logprobs=True, top_logprobs=0, prompt_logprobs_start=2
     )
-    assert bound.options.return_logprob is True
+    assert item_options(bound)[0].return_logprob is True
 
 
 def test_return_logprob_with_start_and_top() -> None:
     bound = ok(body(return_logprob=True, logprob_start_len=0, top_logprobs_num=5))
-    assert bound.envelope.output == OutputOptions(
+    assert single(bound).output == OutputOptions(
         logprobs=True, top_logprobs=5, prompt_logprobs_start=0
     )
-    assert bound.options.top_logprobs_num == 5
+    assert item_options(bound)[0].top_logprobs_num == 5
 
 
 def test_explicit_minus_one_start() -> None:
     bound = ok(body(return_logprob=True, logprob_start_len=-1))
-    assert bound.envelope.output.prompt_logprobs_start == 2
+    assert single(bound).output.prompt_logprobs_start == 2
 
 
 def test_logprob_options_ignored_without_return_logprob() -> None:
     bound = ok(body(top_logprobs_num=5, logprob_start_len=0))
-    assert bound.envelope.output == OutputOptions()
-    assert bound.options.top_logprobs_num == 0
-    assert bound.options.return_logprob is False
+    assert single(bound).output == OutputOptions()
+    assert item_options(bound)[0].top_logprobs_num == 0
+    assert item_options(bound)[0].return_logprob is False
 
 
 def test_stream_flag() -> None:
     assert ok(body(stream=True)).stream is True
     assert ok(body(stream=False)).stream is False
     assert ok(body(stream=None)).stream is False
+    assert ok(batch([1], [2], stream=True)).stream is True
+    assert ok(body(stream=True, sampling_params={"n": 2})).stream is True
 
 
 def test_rid_is_the_client_id() -> None:
     bound = ok(body(rid="my-req"))
     assert bound.client_id == "my-req"
-    assert bound.envelope.client_id == "my-req"
+    assert single(bound).client_id == "my-req"
+    assert item_options(bound)[0].public_id == "my-req"
 
 
 def test_x_request_id_header_is_the_client_id() -> None:
     bound = ok(body(), {"x-request-id": "  hdr-1 "})
     assert bound.client_id == "hdr-1"
-    assert bound.envelope.client_id == "hdr-1"
+    assert single(bound).client_id == "hdr-1"
+    assert item_options(bound)[0].public_id == "hdr-1"
 
 
 def test_header_lookup_is_case_insensitive_with_aiohttp_headers() -> None:
     headers = CIMultiDict({"X-Request-ID": "hdr-2"})
-    assert bind(body(), headers).client_id == "hdr-2"
+    assert bind_raw(body(), headers).client_id == "hdr-2"
 
 
 def test_blank_header_is_no_client_id() -> None:
-    assert ok(body(), {"x-request-id": "   "}).client_id is None
+    bound = ok(body(), {"x-request-id": "   "})
+    assert bound.client_id is None
+    assert single(bound).client_id is None
+    assert item_options(bound)[0].public_id is None
 
 
 def test_rid_wins_over_header() -> None:
     bound = ok(body(rid="from-body"), {"x-request-id": "from-header"})
     assert bound.client_id == "from-body"
-    assert bound.envelope.client_id == "from-body"
+    assert single(bound).client_id == "from-body"
 
 
 def test_routing_projection() -> None:
-    env = ok(body(routed_dp_rank=2, priority=-5, extra_key="tenant-a")).envelope
+    env = single(ok(body(routed_dp_rank=2, priority=-5, extra_key="tenant-a")))
     assert env.routing == Routing(dp_rank=2, priority=-5, cache_salt="tenant-a")
 
 
 def test_legacy_data_parallel_rank() -> None:
-    assert ok(body(data_parallel_rank=1)).envelope.routing.dp_rank == 1
+    assert single(ok(body(data_parallel_rank=1))).routing.dp_rank == 1
     # the newer name wins when both are sent
-    assert ok(body(data_parallel_rank=1, routed_dp_rank=3)).envelope.routing.dp_rank == 3
+    assert single(ok(body(data_parallel_rank=1, routed_dp_rank=3))).routing.dp_rank == 3
 
 
 def test_native_fields_kept_for_the_engine() -> None:
@@ -433,7 +547,7 @@ def test_native_fields_kept_for_the_engine() -> None:
         custom_labels={"team": "x"},
         text=None,
     )
-    engine = ok(raw).envelope.engine
+    engine = single(ok(raw)).engine
     assert engine == {
         "sampling_params": {"max_new_tokens": 4, "skip_special_tokens": False},
         "return_logprob": True,
@@ -453,16 +567,43 @@ def test_bound_envelope_is_valid_on_the_wire() -> None:
             sampling_params={"max_new_tokens": None, "stop_token_ids": [9], "top_k": -1},
         )
     )
-    env = bound.envelope
+    env = single(bound)
     env.id = "minted"
     assert Envelope.from_wire(env.to_wire()) == env
+
+
+def test_batch_envelopes_are_valid_on_the_wire() -> None:
+    bound = ok(
+        batch(
+            [1, 2, 3],
+            [4],
+            rid="r",
+            return_logprob=[True, False],
+            top_logprobs_num=2,
+            routed_dp_rank=1,
+            sampling_params=[{"max_new_tokens": None, "n": 2}, {"stop_token_ids": [9], "n": 2}],
+        )
+    )
+    assert len(bound.items) == 4
+    for i, env in enumerate(bound.items):
+        env.id = f"minted-{i}"
+        assert Envelope.from_wire(env.to_wire()) == env
 
 
 def test_format_object_delegates() -> None:
     fmt = SglangFormat(SglangFormat.default_routes())
     assert [(r.method, r.path) for r in fmt.routes] == [("POST", "/generate"), ("PUT", "/generate")]
+    assert [(r.method, r.path) for r in SglangFormat().routes] == [
+        ("POST", "/generate"),
+        ("PUT", "/generate"),
+    ]
     assert fmt.merge_rules is MERGE_RULES
-    bound = fmt.bind(body(rid="x"), {})
+    assert fmt.joiners is JOINERS
+    assert fmt.parse(body(rid="x")) == {"input_ids": [1, 2, 3], "rid": "x"}
+    with pytest.raises(RequestRejected) as info:
+        fmt.parse(b"{nope")
+    assert_legacy(info.value, "request body is not valid JSON")
+    bound = fmt.bind(fmt.parse(body(rid="x")), {})
     assert bound.client_id == "x"
     assert fmt.error_body(503, "not ready") == {"error": {"message": "not ready"}}
     exchange = fmt.exchange(bound, "pub", 0.0)
@@ -474,7 +615,7 @@ def test_format_object_delegates() -> None:
 
 def test_min_new_tokens_unbounded_when_max_new_tokens_null() -> None:
     bound = ok(sp(max_new_tokens=None, min_new_tokens=200))
-    assert bound.envelope.sampling.min_tokens == 200
+    assert single(bound).sampling.min_tokens == 200
 
 
 def test_huge_integer_sampling_number_is_rejected() -> None:
@@ -483,14 +624,463 @@ def test_huge_integer_sampling_number_is_rejected() -> None:
     assert exc.status == 400
 
 
+# ---------------------------------------------------------------- batch and n > 1: fan-out
+
+
+def test_batch_input_fans_out_one_item_per_prompt() -> None:
+    bound = ok(batch([1, 2], [3], [4, 5, 6]))
+    assert [env.token_ids for env in bound.items] == [[1, 2], [3], [4, 5, 6]]
+    opts = item_options(bound)
+    assert isinstance(bound.options, SglangOptions)
+    assert bound.options.multi is True
+    assert [o.prompt_tokens for o in opts] == [2, 1, 3]
+    assert all(env.id == "" and env.format == "sglang" for env in bound.items)
+    assert all(env.sampling == Sampling(max_tokens=128) for env in bound.items)
+    assert bound.client_id is None
+    assert bound.stream is False
+
+
+def test_a_batch_of_one_is_still_multi() -> None:
+    bound = ok(batch([7, 8]))
+    assert [env.token_ids for env in bound.items] == [[7, 8]]
+    assert isinstance(bound.options, SglangOptions)
+    assert bound.options.multi is True
+    # an array answer needs an id per item: none sent, so a fresh one is minted
+    assert RANDOM_ID.match(item_options(bound)[0].public_id or "")
+
+
+def test_n_fans_out_samples_of_one_prompt() -> None:
+    bound = ok(sp(n=3, max_new_tokens=7, temperature=0.5))
+    assert len(bound.items) == 3
+    assert isinstance(bound.options, SglangOptions)
+    assert bound.options.multi is True
+    for env, opts in zip(bound.items, item_options(bound), strict=True):
+        assert env.token_ids == [1, 2, 3]
+        assert env.sampling == Sampling(max_tokens=7, temperature=0.5)
+        assert opts.prompt_tokens == 3
+        assert opts.max_new_tokens == 7
+
+
+@pytest.mark.parametrize(("prompts", "n"), [(1, 1), (1, 4), (3, 1), (3, 2), (2, 5)])
+def test_fan_out_is_prompts_times_n_with_samples_contiguous(prompts: int, n: int) -> None:
+    inputs = [[10 + p] * (p + 1) for p in range(prompts)]
+    max_new = [5 + p for p in range(prompts)]
+    raw = batch(*inputs, sampling_params=[{"n": n, "max_new_tokens": m} for m in max_new])
+    bound = ok(raw)
+    assert len(bound.items) == prompts * n
+    assert [env.token_ids for env in bound.items] == [p for p in inputs for _ in range(n)]
+    assert [env.sampling.max_tokens for env in bound.items] == [
+        m for m in max_new for _ in range(n)
+    ]
+    assert [o.prompt_tokens for o in item_options(bound)] == [
+        len(p) for p in inputs for _ in range(n)
+    ]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=5),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(min_value=1, max_value=4),
+    st.booleans(),
+)
+def test_fan_out_order_property(prompts: list[list[int]], n: int, as_batch: bool) -> None:
+    if not as_batch:
+        prompts = prompts[:1]
+    ids: Any = prompts if as_batch else prompts[0]
+    bound = ok(json.dumps({"input_ids": ids, "sampling_params": {"n": n}}).encode())
+    assert len(bound.items) == len(prompts) * n
+    for i, env in enumerate(bound.items):
+        assert env.token_ids == prompts[i // n]
+    assert isinstance(bound.options, SglangOptions)
+    assert bound.options.multi is (as_batch or n > 1)
+    public_ids = [o.public_id for o in item_options(bound)]
+    assert [env.client_id for env in bound.items] == public_ids
+    if bound.options.multi:
+        assert all(RANDOM_ID.match(p or "") for p in public_ids)
+        assert len(set(public_ids)) == len(public_ids)
+    else:
+        assert public_ids == [None]
+
+
+def test_explicit_n_one_on_a_batch_is_one_item_per_prompt() -> None:
+    bound = ok(batch([1], [2], sampling_params={"n": 1}))
+    assert [env.token_ids for env in bound.items] == [[1], [2]]
+
+
+def test_every_batch_entry_must_share_n() -> None:
+    assert_value(
+        rejected(batch([1], [2], sampling_params=[{"n": 1}, {"n": 2}])),
+        "sampling_params: every entry of a batch must have the same n",
+    )
+    # a missing n is n = 1
+    assert_value(
+        rejected(batch([1], [2], sampling_params=[{}, {"n": 2}])),
+        "every entry of a batch must have the same n",
+    )
+    assert len(ok(batch([1], [2], sampling_params=[{}, {"n": 1}])).items) == 2
+    assert len(ok(batch([1], [2], sampling_params=[{"n": 2}, {"n": 2}])).items) == 4
+    assert len(ok(batch([1], [2], sampling_params=[None, {"n": None}])).items) == 2
+
+
+# ---------------------------------------------------------------- per-prompt fields
+
+
+def test_per_prompt_sampling_params() -> None:
+    bound = ok(
+        batch(
+            [1],
+            [2, 3],
+            sampling_params=[{"max_new_tokens": 4, "temperature": 0}, None],
+        )
+    )
+    first, second = bound.items
+    assert first.sampling == Sampling(max_tokens=4, temperature=0.0)
+    assert second.sampling == Sampling(max_tokens=DEFAULT_MAX_NEW_TOKENS)
+    assert [o.max_new_tokens for o in item_options(bound)] == [4, DEFAULT_MAX_NEW_TOKENS]
+
+
+def test_scalar_sampling_params_apply_to_every_prompt() -> None:
+    bound = ok(batch([1], [2], [3], sampling_params={"max_new_tokens": 9, "top_k": 5}))
+    assert all(env.sampling == Sampling(max_tokens=9, top_k=5) for env in bound.items)
+    assert [o.max_new_tokens for o in item_options(bound)] == [9, 9, 9]
+
+
+def test_each_prompts_sampling_params_are_validated() -> None:
+    exc = rejected(batch([1], [2], sampling_params=[{"top_p": 0.5}, {"top_p": 2}]))
+    assert_value(exc, "top_p must be in (0, 1], got 2.0.")
+
+
+@pytest.mark.parametrize(
+    ("field", "values"),
+    [
+        ("sampling_params", [{}]),
+        ("sampling_params", [{}, {}, {}]),
+        ("return_logprob", [True]),
+        ("logprob_start_len", [0, 0, 0]),
+        ("top_logprobs_num", []),
+    ],
+)
+def test_per_prompt_list_length_must_match_the_batch(field: str, values: list[Any]) -> None:
+    exc = rejected(batch([1], [2], **{field: values}))
+    assert_value(exc, f"{field} has {len(values)} entries for 2 prompts")
+
+
+def test_per_prompt_logprob_fields() -> None:
+    bound = ok(
+        batch(
+            [1, 2, 3],
+            [4, 5],
+            [6],
+            return_logprob=[True, False, True],
+            logprob_start_len=[0, 99, -1],
+            top_logprobs_num=[3, 4, 0],
+        )
+    )
+    assert [env.output for env in bound.items] == [
+        OutputOptions(logprobs=True, top_logprobs=3, prompt_logprobs_start=0),
+        OutputOptions(),  # not asked: its (too large) start is not checked
+        OutputOptions(logprobs=True, top_logprobs=0, prompt_logprobs_start=0),
+    ]
+    opts = item_options(bound)
+    assert [o.return_logprob for o in opts] == [True, False, True]
+    assert [o.top_logprobs_num for o in opts] == [3, 0, 0]
+
+
+def test_scalar_logprob_fields_apply_to_every_prompt() -> None:
+    bound = ok(batch([1, 2, 3], [4, 5], return_logprob=True, top_logprobs_num=2))
+    assert [env.output for env in bound.items] == [
+        OutputOptions(logprobs=True, top_logprobs=2, prompt_logprobs_start=2),
+        OutputOptions(logprobs=True, top_logprobs=2, prompt_logprobs_start=1),
+    ]
+
+
+def test_logprob_start_len_is_checked_against_each_prompt() -> None:
+    # a scalar start that fits the first prompt but not the second
+    exc = rejected(batch([1, 2, 3], [4], return_logprob=True, logprob_start_len=1))
+    assert_value(exc, "logprob_start_len (1) is higher than the number of input tokens (1).")
+    # per-prompt starts
+    exc = rejected(batch([1, 2], [4, 5], return_logprob=[False, True], logprob_start_len=[5, 2]))
+    assert_value(exc, "logprob_start_len (2) is higher than the number of input tokens (2).")
+    exc = rejected(batch([1], [2], logprob_start_len=[0, -2]))
+    assert_value(exc, "logprob_start_len must be >= -1, got -2")
+    exc = rejected(batch([1], [2], top_logprobs_num=[0, -1]))
+    assert_value(exc, "top_logprobs_num must be >= 0, got -1")
+
+
+# ---------------------------------------------------------------- rids
+
+
+def test_scalar_rid_on_a_batch_numbers_the_items() -> None:
+    bound = ok(batch([1], [2], [3], rid="req"))
+    assert bound.client_id == "req"
+    assert [env.client_id for env in bound.items] == ["req_0", "req_1", "req_2"]
+    assert [o.public_id for o in item_options(bound)] == ["req_0", "req_1", "req_2"]
+
+
+def test_x_request_id_header_on_a_batch_is_used_like_a_scalar_rid() -> None:
+    bound = ok(batch([1], [2]), {"x-request-id": " hdr "})
+    assert bound.client_id == "hdr"
+    assert [env.client_id for env in bound.items] == ["hdr_0", "hdr_1"]
+    assert [o.public_id for o in item_options(bound)] == ["hdr_0", "hdr_1"]
+    # the body's rid wins over the header
+    bound = ok(batch([1], [2], rid="body"), {"x-request-id": "hdr"})
+    assert [env.client_id for env in bound.items] == ["body_0", "body_1"]
+
+
+def test_a_list_of_rids_names_each_prompt() -> None:
+    bound = ok(batch([1], [2], [3], rid=["a", "b", "c"]), {"x-request-id": "hdr"})
+    assert [env.client_id for env in bound.items] == ["a", "b", "c"]
+    assert [o.public_id for o in item_options(bound)] == ["a", "b", "c"]
+    # no single client id for the whole request (the handler mints the header's)
+    assert bound.client_id is None
+
+
+def test_rid_list_must_be_unique() -> None:
+    exc = rejected(batch([1], [2], [3], rid=["a", "b", "a"]))
+    assert_value(exc, "rid: duplicate request ids in one batch")
+
+
+@pytest.mark.parametrize("rids", [["a"], ["a", "b", "c"], []])
+def test_rid_list_must_match_the_batch(rids: list[str]) -> None:
+    assert_value(rejected(batch([1], [2], rid=rids)), "rid: expected 2 strings, one per prompt")
+
+
+@pytest.mark.parametrize("rids", [["a", 5], ["a", None], [["a"], "b"]])
+def test_rid_list_must_hold_strings(rids: list[Any]) -> None:
+    assert_legacy(rejected(batch([1], [2], rid=rids)), "rid")
+
+
+def test_batch_without_rid_gets_fresh_distinct_ids() -> None:
+    bound = ok(batch([1], [2], [3]))
+    ids = [env.client_id for env in bound.items]
+    assert all(RANDOM_ID.match(i or "") for i in ids)
+    assert len(set(ids)) == 3
+    assert [o.public_id for o in item_options(bound)] == ids
+    assert bound.client_id is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "headers"),
+    [
+        (sp(n=3), {}),
+        (body(rid="mine", sampling_params={"n": 3}), {}),
+        (body(sampling_params={"n": 3}), {"x-request-id": "hdr"}),
+        (batch([1], [2], rid="mine", sampling_params={"n": 2}), {}),
+        (batch([1], [2], rid=["a", "b"], sampling_params={"n": 2}), {}),
+    ],
+)
+def test_n_above_one_gives_every_sample_a_fresh_random_id(
+    raw: bytes, headers: dict[str, str]
+) -> None:
+    first = ok(raw, headers)
+    again = ok(raw, headers)
+    ids = [env.client_id for env in first.items]
+    assert all(RANDOM_ID.match(i or "") for i in ids)
+    assert len(set(ids)) == len(ids)
+    assert [o.public_id for o in item_options(first)] == ids
+    # fresh on every request, unrelated to what was sent
+    assert not set(ids) & {env.client_id for env in again.items}
+    assert not set(ids) & {"mine", "hdr", "a", "b", "mine_0", "mine_1", "hdr_0"}
+
+
+def test_n_above_one_keeps_the_client_id_of_the_request() -> None:
+    assert ok(body(rid="mine", sampling_params={"n": 2})).client_id == "mine"
+    assert ok(sp(n=2), {"x-request-id": "hdr"}).client_id == "hdr"
+    assert ok(sp(n=2)).client_id is None
+
+
+# ---------------------------------------------------------------- native payload per item
+
+
+def test_each_item_carries_its_own_native_fields() -> None:
+    sps = [{"max_new_tokens": 1, "custom": "a", "n": 2}, {"max_new_tokens": 2, "n": 2}]
+    bound = ok(
+        batch(
+            [1, 2],
+            [3],
+            rid=["x", "y"],
+            stream=True,
+            sampling_params=sps,
+            return_logprob=[True, False],
+            logprob_start_len=[0, -1],
+            top_logprobs_num=1,
+            lora_path="adapter",
+            custom_labels={"team": "t"},
+            routed_dp_rank=0,
+        )
+    )
+    shared = {
+        "lora_path": "adapter",
+        "custom_labels": {"team": "t"},
+        "routed_dp_rank": 0,
+        "top_logprobs_num": 1,
+    }
+    expected = [
+        {
+            **shared,
+            "sampling_params": {**sps[b], "n": 1},  # each sample is one generation
+            "return_logprob": [True, False][b],
+            "logprob_start_len": [0, -1][b],
+        }
+        for b in (0, 0, 1, 1)
+    ]
+    assert [env.engine for env in bound.items] == expected
+    for env in bound.items:
+        assert not {"input_ids", "rid", "stream", "text"} & set(env.engine)
+
+
+def test_scalar_native_fields_are_repeated_per_item() -> None:
+    bound = ok(batch([1], [2], sampling_params={"top_k": 3}, return_logprob=True))
+    assert [env.engine for env in bound.items] == [
+        {"sampling_params": {"top_k": 3}, "return_logprob": True}
+    ] * 2
+
+
+def test_absent_logprob_fields_stay_absent_in_the_native_payload() -> None:
+    bound = ok(batch([1], [2], sampling_params=[{"top_k": 3}, {"top_k": 4}]))
+    assert [env.engine for env in bound.items] == [
+        {"sampling_params": {"top_k": 3}},
+        {"sampling_params": {"top_k": 4}},
+    ]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        batch([1, 2], [3, 4], sampling_params={"stop_token_ids": [7]}, routed_dp_rank=1),
+        body(sampling_params={"n": 3, "stop_token_ids": [7]}, routed_dp_rank=1),
+        batch([1], [2], sampling_params={"n": 2, "stop_token_ids": [7]}, routed_dp_rank=1),
+    ],
+)
+def test_items_do_not_share_sampling_or_routing(raw: bytes) -> None:
+    bound = ok(raw)
+    first, *others = bound.items
+    assert others
+    before = [(env.sampling.stop_token_ids[:], env.routing.exclude[:]) for env in others]
+    for env in others:
+        assert env.sampling is not first.sampling
+        assert env.routing is not first.routing
+        assert env.sampling.stop_token_ids is not first.sampling.stop_token_ids
+        assert env.routing.exclude is not first.routing.exclude
+    first.sampling.stop_token_ids.append(99)
+    first.sampling.max_tokens = 1
+    first.sampling.temperature = 0.0
+    first.routing.exclude.append("w-bad")
+    first.routing.dp_rank = 5
+    for env, (stops, exclude) in zip(others, before, strict=True):
+        assert env.sampling.stop_token_ids == stops == [7]
+        assert env.sampling.max_tokens == DEFAULT_MAX_NEW_TOKENS
+        assert env.sampling.temperature is None
+        assert env.routing.exclude == exclude == []
+        assert env.routing.dp_rank == 1
+
+
+def test_routing_applies_to_every_item() -> None:
+    bound = ok(batch([1], [2], routed_dp_rank=2, priority=3, extra_key="salt"))
+    assert all(
+        env.routing == Routing(dp_rank=2, priority=3, cache_salt="salt") for env in bound.items
+    )
+
+
+# ---------------------------------------------------------------- routed experts (bind)
+
+
+def test_routed_experts_projection() -> None:
+    bound = ok(batch([1, 2, 3], [4, 5], return_routed_experts=True, routed_experts_start_len=1))
+    assert [env.output.routed_experts_start for env in bound.items] == [1, 1]
+    assert [o.return_routed_experts for o in item_options(bound)] == [True, True]
+    off = ok(body(routed_experts_start_len=99))  # only checked when asked for
+    assert single(off).output.routed_experts_start is None
+    assert item_options(off)[0].return_routed_experts is False
+
+
+def test_routed_experts_start_is_checked_against_each_prompt() -> None:
+    exc = rejected(batch([1, 2, 3], [4], return_routed_experts=True, routed_experts_start_len=2))
+    assert_value(exc, "routed_experts_start_len must be in [0, 1] (the prompt length), got 2")
+    exc = rejected(body(return_routed_experts=True, routed_experts_start_len=-1))
+    assert_value(exc, "routed_experts_start_len must be in [0, 3]")
+
+
+# ---------------------------------------------------------------- bugs found and fixed
+
+
+def test_engine_payload_is_the_body_as_sent() -> None:
+    assert single(ok(json.dumps({"input_ids": [5, 6]}).encode())).engine == {}
+    assert single(ok(body(lora_path="v"))).engine == {"lora_path": "v"}
+    assert single(ok(body(sampling_params=None))).engine == {"sampling_params": None}
+
+
+def test_native_payload_of_a_sample_asks_for_one_generation() -> None:
+    bound = ok(batch([1], [2], sampling_params={"n": 3}))
+    assert len(bound.items) == 6
+    for env in bound.items:
+        assert env.engine["sampling_params"].get("n", 1) == 1
+
+
+def test_top_logprobs_num_list_with_n_above_one_is_rejected() -> None:
+    exc = rejected(
+        batch([1], [2], return_logprob=True, top_logprobs_num=[1, 2], sampling_params={"n": 2})
+    )
+    assert exc.status == 400
+
+
+def test_rid_list_entry_of_wrong_type_is_a_type_error() -> None:
+    assert_legacy(rejected(batch([1], [2], rid=["a", 5])), "rid")
+
+
+def test_lora_path_list_is_per_prompt() -> None:
+    bound = ok(batch([1], [2], lora_path=["a", "b"]))
+    assert [env.engine["lora_path"] for env in bound.items] == ["a", "b"]
+
+
+class FanOutRunawayError(Exception):
+    """Raised by the guard below when bind mints far more item ids than any sane request."""
+
+
+def test_huge_n_is_rejected_before_fanning_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    minted = itertools.count()
+
+    def guarded_id() -> str:
+        if next(minted) > 100_000:
+            raise FanOutRunawayError
+        return "x" * 32
+
+    monkeypatch.setattr(request, "new_public_id", guarded_id)
+    exc = rejected(sp(n=10**9))
+    assert exc.status == 400
+
+
 # ---------------------------------------------------------------- rendering
+
+
+def item(
+    *,
+    logprob: bool = False,
+    top: int = 0,
+    max_new: int | None = 16,
+    prompt: int = 3,
+    public_id: str | None = None,
+    experts: bool = False,
+) -> ItemOptions:
+    return ItemOptions(
+        public_id=public_id,
+        prompt_tokens=prompt,
+        return_logprob=logprob,
+        top_logprobs_num=top,
+        max_new_tokens=max_new,
+        return_routed_experts=experts,
+    )
 
 
 def options(
     *, logprob: bool = False, top: int = 0, max_new: int | None = 16, prompt: int = 3
 ) -> SglangOptions:
     return SglangOptions(
-        prompt_tokens=prompt, return_logprob=logprob, top_logprobs_num=top, max_new_tokens=max_new
+        items=[item(logprob=logprob, top=top, max_new=max_new, prompt=prompt)], multi=False
     )
 
 
@@ -511,9 +1101,8 @@ def end_frame(seq: int, tokens: list[int], finish: dict[str, Any], **extra: Any)
 
 
 def render_one(frame: dict[str, Any], opts: SglangOptions | None = None) -> dict[str, Any]:
-    exchange = SglangExchange(opts or options(), "pub-1", [1, 2, 3], time.monotonic())
-    (chunk,) = exchange.render(frame)
-    return chunk
+    exchange = SglangExchange(opts or options(), "pub-1", [[1, 2, 3]], time.monotonic())
+    return exchange.render(0, frame)
 
 
 @pytest.mark.parametrize(
@@ -539,31 +1128,33 @@ def test_finish_reason_shapes(
     finish: dict[str, Any], max_new: int | None, expected: dict[str, Any]
 ) -> None:
     assert native_finish_reason(finish, max_new) == expected
-    chunk = render_one(end_frame(1, [9], finish), options(max_new=max_new))
-    assert chunk["meta_info"]["finish_reason"] == expected
+    record = render_one(end_frame(1, [9], finish), options(max_new=max_new))
+    assert record["meta_info"]["finish_reason"] == expected
 
 
-def test_stream_of_chunks() -> None:
-    exchange = SglangExchange(options(prompt=3), "pub-1", [1, 2, 3], time.monotonic())
-    chunks = [
-        *exchange.render(out_frame(1, [], cached_tokens=2)),
-        *exchange.render(out_frame(2, [10])),
-        *exchange.render(out_frame(3, [11, 12])),
-        *exchange.render(end_frame(4, [13], {"reason": "length"})),
+def test_stream_of_records() -> None:
+    exchange = SglangExchange(options(prompt=3), "pub-1", [[1, 2, 3]], time.monotonic())
+    records = [
+        exchange.render(0, out_frame(1, [], cached_tokens=2)),
+        exchange.render(0, out_frame(2, [10])),
+        exchange.render(0, out_frame(3, [11, 12])),
+        exchange.render(0, end_frame(4, [13], {"reason": "length"})),
     ]
-    assert [c["output_ids"] for c in chunks] == [[], [10], [11, 12], [13]]
-    metas = [c["meta_info"] for c in chunks]
+    assert all(list(r) == ["output_ids", "meta_info"] for r in records)
+    assert [c["output_ids"] for c in records] == [[], [10], [11, 12], [13]]
+    metas = [c["meta_info"] for c in records]
     assert [m["completion_tokens"] for m in metas] == [0, 1, 3, 4]
     assert all(m["id"] == "pub-1" for m in metas)
     assert all(m["prompt_tokens"] == 3 for m in metas)
     assert [m["cached_tokens"] for m in metas] == [2, 2, 2, 2]
     assert [m["finish_reason"] for m in metas[:-1]] == [None] * 3
     assert metas[-1]["finish_reason"] == {"type": "length", "length": 16}
-    # e2e latency only on the final chunk
+    # e2e latency only on the final record
     assert ["e2e_latency" in m for m in metas] == [False, False, False, True]
     assert 0 <= metas[-1]["e2e_latency"] < 5
     # no logprob keys unless asked
     assert not any(k.endswith("logprobs") for m in metas for k in m)
+    assert "routed_experts" not in metas[-1]
     assert list(metas[0]) == [
         "id",
         "finish_reason",
@@ -574,20 +1165,20 @@ def test_stream_of_chunks() -> None:
 
 
 def test_finish_on_an_out_frame_is_ignored() -> None:
-    chunk = render_one(out_frame(1, [4], finish={"reason": "length"}))
-    assert chunk["meta_info"]["finish_reason"] is None
-    assert "e2e_latency" not in chunk["meta_info"]
+    record = render_one(out_frame(1, [4], finish={"reason": "length"}))
+    assert record["meta_info"]["finish_reason"] is None
+    assert "e2e_latency" not in record["meta_info"]
 
 
 def test_e2e_latency_measured_from_receipt() -> None:
-    exchange = SglangExchange(options(), "p", [1], time.monotonic() - 2.5)
-    (chunk,) = exchange.render(end_frame(1, [], {"reason": "length"}))
-    assert 2.5 <= chunk["meta_info"]["e2e_latency"] < 10
+    exchange = SglangExchange(options(), "p", [[1]], time.monotonic() - 2.5)
+    record = exchange.render(0, end_frame(1, [], {"reason": "length"}))
+    assert 2.5 <= record["meta_info"]["e2e_latency"] < 10
 
 
-def test_logprob_triples_and_input_logprobs_on_every_chunk() -> None:
+def test_logprob_triples_and_input_logprobs_on_every_record() -> None:
     prompt = [1, 2, 3]
-    exchange = SglangExchange(options(logprob=True, top=2), "pub", prompt, time.monotonic())
+    exchange = SglangExchange(options(logprob=True, top=2), "pub", [prompt], time.monotonic())
     first = out_frame(
         1,
         [10],
@@ -598,8 +1189,8 @@ def test_logprob_triples_and_input_logprobs_on_every_chunk() -> None:
     )
     second = out_frame(2, [11, 12], logprobs=[-0.2, -0.3], top_logprobs=[[[11, -0.2]], None])
     last = end_frame(3, [13], {"reason": "eos", "matched": 13}, logprobs=[-0.4], top_logprobs=[[]])
-    chunks = [c for f in (first, second, last) for c in exchange.render(f)]
-    metas = [c["meta_info"] for c in chunks]
+    records = [exchange.render(0, f) for f in (first, second, last)]
+    metas = [c["meta_info"] for c in records]
     expected_input = [[None, 2, None], [-1.5, 3, None]]
     expected_input_top = [None, [[-1.5, 3, None], [-2.0, 4, None]]]
     for meta in metas:
@@ -619,21 +1210,21 @@ def test_logprob_triples_and_input_logprobs_on_every_chunk() -> None:
 
 def test_later_prompt_logprobs_do_not_replace_the_first() -> None:
     # A migrated attempt reports prompt logprobs for prompt + replayed output; ignore them.
-    exchange = SglangExchange(options(logprob=True), "pub", [1, 2, 3], time.monotonic())
-    exchange.render(out_frame(1, [], prompt_logprobs=[None]))
-    (chunk,) = exchange.render(out_frame(1, [7], logprobs=[-1.0], prompt_logprobs=[None, -9.0]))
-    assert chunk["meta_info"]["input_token_logprobs"] == [[None, 3, None]]
+    exchange = SglangExchange(options(logprob=True), "pub", [[1, 2, 3]], time.monotonic())
+    exchange.render(0, out_frame(1, [], prompt_logprobs=[None]))
+    record = exchange.render(0, out_frame(1, [7], logprobs=[-1.0], prompt_logprobs=[None, -9.0]))
+    assert record["meta_info"]["input_token_logprobs"] == [[None, 3, None]]
 
 
 def test_input_logprobs_empty_until_they_arrive() -> None:
-    exchange = SglangExchange(options(logprob=True), "pub", [1, 2, 3], time.monotonic())
-    (chunk,) = exchange.render(out_frame(1, [7], logprobs=[-1.0]))
-    assert chunk["meta_info"]["input_token_logprobs"] == []
-    assert "input_top_logprobs" not in chunk["meta_info"]  # top_logprobs_num is 0
+    exchange = SglangExchange(options(logprob=True), "pub", [[1, 2, 3]], time.monotonic())
+    record = exchange.render(0, out_frame(1, [7], logprobs=[-1.0]))
+    assert record["meta_info"]["input_token_logprobs"] == []
+    assert "input_top_logprobs" not in record["meta_info"]  # top_logprobs_num is 0
 
 
 def test_error_body() -> None:
-    exchange = SglangExchange(options(), "pub", [1], time.monotonic())
+    exchange = SglangExchange(options(), "pub", [[1]], time.monotonic())
     err = MeshError(ErrorCode.NO_WORKER, "no worker serves model m")
     assert exchange.error(err, 503) == {"error": {"message": "no worker serves model m"}}
 
@@ -644,6 +1235,7 @@ def test_bind_then_render_a_mock_like_stream() -> None:
     fmt = SglangFormat(SglangFormat.default_routes())
     exchange = fmt.exchange(bound, "pub-7", time.monotonic())
     c1 = exchange.render(
+        0,
         out_frame(
             1,
             [5],
@@ -651,13 +1243,124 @@ def test_bind_then_render_a_mock_like_stream() -> None:
             top_logprobs=[[[5, -0.5]]],
             prompt_logprobs=[None],
             prompt_top_logprobs=[None],
-        )
-    )[0]
+        ),
+    )
     c2 = exchange.render(
-        end_frame(2, [6], {"reason": "length"}, logprobs=[-0.7], top_logprobs=[[[6, -0.7]]])
-    )[0]
+        0, end_frame(2, [6], {"reason": "length"}, logprobs=[-0.7], top_logprobs=[[[6, -0.7]]])
+    )
     assert c1["meta_info"]["input_token_logprobs"] == [[None, 3, None]]
     assert c1["meta_info"]["input_top_logprobs"] == [None]
     assert c2["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
     assert c2["meta_info"]["completion_tokens"] == 2
     assert c2["meta_info"]["id"] == "pub-7"
+
+
+# ---------------------------------------------------------------- rendering several items
+
+
+def two_items() -> SglangExchange:
+    opts = SglangOptions(
+        items=[
+            item(public_id="a", prompt=2, max_new=4, logprob=True),
+            item(public_id=None, prompt=1, max_new=None),
+        ],
+        multi=True,
+    )
+    return SglangExchange(opts, "pub-handler", [[1, 2], [3]], time.monotonic())
+
+
+def test_items_keep_their_own_state() -> None:
+    exchange = two_items()
+    r = [
+        exchange.render(0, out_frame(1, [10], logprobs=[-0.1], prompt_logprobs=[None])),
+        exchange.render(1, out_frame(1, [20, 21], cached_tokens=1)),
+        exchange.render(0, out_frame(2, [11, 12], logprobs=[-0.2, -0.3])),
+        exchange.render(1, end_frame(2, [22], {"reason": "length"})),
+        exchange.render(0, end_frame(3, [], {"reason": "length"}, logprobs=[])),
+    ]
+    metas = [x["meta_info"] for x in r]
+    assert [m["id"] for m in metas] == ["a", "pub-handler", "a", "pub-handler", "a"]
+    assert [m["completion_tokens"] for m in metas] == [1, 2, 3, 3, 3]
+    assert [m["prompt_tokens"] for m in metas] == [2, 1, 2, 1, 2]
+    assert [m["cached_tokens"] for m in metas] == [0, 1, 0, 1, 0]
+    assert metas[3]["finish_reason"] == {"type": "length", "length": None}
+    assert metas[4]["finish_reason"] == {"type": "length", "length": 4}
+    # logprobs only for the item that asked, from its own prompt
+    assert metas[0]["input_token_logprobs"] == [[None, 2, None]]
+    assert metas[4]["input_token_logprobs"] == [[None, 2, None]]
+    assert not any("input_token_logprobs" in metas[i] for i in (1, 3))
+
+
+def test_sse_carries_index_only_when_multi() -> None:
+    exchange = two_items()
+    record = exchange.render(1, out_frame(1, [5]))
+    snapshot = json.loads(json.dumps(record))
+    assert exchange.sse(1, record) == [{**snapshot, "index": 1}]
+    assert exchange.sse(0, record) == [{**snapshot, "index": 0}]
+    assert record == snapshot  # the record itself is not changed
+    assert exchange.sse_end() == []
+
+    alone = SglangExchange(options(), "pub", [[1, 2, 3]], time.monotonic())
+    record = alone.render(0, out_frame(1, [5]))
+    (payload,) = alone.sse(0, record)
+    assert payload == record
+    assert "index" not in payload
+    assert alone.sse_end() == []
+
+
+def test_body_is_the_object_for_a_single_request_and_the_list_otherwise() -> None:
+    records = [{"output_ids": [1], "meta_info": {"id": "a"}}, {"output_ids": [], "meta_info": {}}]
+    assert two_items().body(records) == records
+    alone = SglangExchange(options(), "pub", [[1]], time.monotonic())
+    assert alone.body(records[:1]) == records[0]
+
+
+def test_exchange_needs_a_prompt_per_item() -> None:
+    opts = SglangOptions(items=[item(), item()], multi=True)
+    with pytest.raises(ValueError, match="zip"):
+        SglangExchange(opts, "pub", [[1]], time.monotonic())
+
+
+def test_bind_then_render_a_batch_with_samples() -> None:
+    fmt = SglangFormat()
+    bound = fmt.bind(fmt.parse(batch([1, 2], [3], rid=["p", "q"], sampling_params={"n": 2})), {})
+    exchange = fmt.exchange(bound, "pub-handler", time.monotonic())
+    metas = [
+        exchange.render(i, end_frame(1, [i], {"reason": "length"}))["meta_info"]
+        for i in range(len(bound.items))
+    ]
+    assert [m["id"] for m in metas] == [env.client_id for env in bound.items]
+    assert [m["prompt_tokens"] for m in metas] == [2, 2, 1, 1]
+    assert all(m["finish_reason"] == {"type": "length", "length": 128} for m in metas)
+    payloads = [exchange.sse(i, {"output_ids": []})[0] for i in range(4)]
+    assert [p["index"] for p in payloads] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- routed experts (render)
+
+
+def unpack(b64: str) -> list[int]:
+    raw = base64.b64decode(b64)
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw))
+
+
+def test_routed_experts_render_as_base64_int32_and_join_by_decoding() -> None:
+    opts = SglangOptions(items=[item(experts=True)], multi=False)
+    rows = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    exchange = SglangExchange(opts, "pub", [[1, 2, 3]], time.monotonic())
+    records = [
+        exchange.render(0, out_frame(1, [9], routed_experts=rows[:3])),
+        exchange.render(0, out_frame(2, [], routed_experts=[])),
+        exchange.render(0, end_frame(3, [9], {"reason": "length"}, routed_experts=rows[3:])),
+    ]
+    assert [unpack(r["meta_info"]["routed_experts"]) for r in records] == [
+        [1, 2, 3, 4, 5, 6],
+        [],
+        [7, 8],
+    ]
+    folded = fold(records, MERGE_RULES, JOINERS)
+    assert unpack(folded["meta_info"]["routed_experts"]) == list(range(1, 9))
+    merger = Merger(SglangFormat.merge_rules, SglangFormat.joiners)
+    for r in records:
+        merger.add(r)
+    assert merger.result()["meta_info"]["routed_experts"] == folded["meta_info"]["routed_experts"]

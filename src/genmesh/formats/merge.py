@@ -102,7 +102,10 @@ class Merger:
         node = self._body
         *parents, leaf = path.split(".")
         for part in parents:
-            node = node[part]
+            child = node.get(part)
+            if not isinstance(child, dict):
+                return  # a later chunk replaced the whole map: its last value stands
+            node = child
         node[leaf] = value
 
 

@@ -64,11 +64,15 @@ _PASSTHROUGH = (
     "routing_key",
 )
 _ROUTING = ("data_parallel_rank", "routed_dp_rank", "priority", "extra_key")
-# Fields that differ per prompt of a batch; the rest of the body is shared by all items.
-_PER_PROMPT = frozenset(
-    ("input_ids", "rid", "stream", "text", "sampling_params", "return_logprob",
-     "logprob_start_len", "top_logprobs_num")
+# Fields SGLang takes per prompt of a batch (a scalar, or a list with one entry per prompt).
+_PER_PROMPT = (
+    "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "lora_path", "extra_key",
 )  # fmt: skip
+# Fields the mesh handles itself: they never reach an engine's native payload.
+_NOT_FORWARDED = frozenset(("input_ids", "rid", "stream", "text"))
+# One request may fan out into at most this many generations (batch size x n).
+MAX_GENERATIONS = 1024
 _CORE = (
     "return_routed_experts",
     "routed_experts_start_len",
@@ -265,13 +269,12 @@ def _sampling(sp: Mapping[str, Any]) -> Sampling:
     )
 
 
-def _routing(body: Mapping[str, Any], headers: Mapping[str, str]) -> Routing:
+def _routing(body: Mapping[str, Any], cache_salt: Any) -> Routing:
     dp_rank = _opt_int(body, "routed_dp_rank", "")
     if dp_rank is None:
         dp_rank = _opt_int(body, "data_parallel_rank", "")
     if dp_rank is not None and dp_rank < 0:
         raise _value_error(f"routed_dp_rank must be >= 0, got {dp_rank}")
-    cache_salt = body.get("extra_key")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise _type_error("extra_key: Input should be a valid string")
     return Routing(dp_rank=dp_rank, priority=_opt_int(body, "priority", ""), cache_salt=cache_salt)
@@ -362,7 +365,9 @@ def _rids(
     if isinstance(rid, list):
         if not batch:
             raise _value_error("rid: a list is only allowed with batch input_ids")
-        if len(rid) != count or not all(isinstance(r, str) for r in rid):
+        if not all(isinstance(r, str) for r in rid):
+            raise _type_error("rid: Input should be a list of valid strings")
+        if len(rid) != count:
             raise _value_error(f"rid: expected {count} strings, one per prompt")
         if len(set(rid)) != len(rid):
             raise _value_error("rid: duplicate request ids in one batch")
@@ -395,28 +400,37 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
 
     prompts, batch = _input_ids(body)
     count = len(prompts)
-    sps = _per_item(body, "sampling_params", count, batch)
+    per_prompt = {key: _per_item(body, key, count, batch) for key in _PER_PROMPT if key in body}
+    sps = per_prompt.get("sampling_params", [None] * count)
     for sp in sps:
         if sp is not None and not isinstance(sp, dict):
             raise _type_error("sampling_params: Input should be a valid dictionary")
-    sps = [sp or {} for sp in sps]
-    samplings = [_sampling(sp) for sp in sps]
-    n = _samples(sps)
+    samplings = [_sampling(sp or {}) for sp in sps]
+    n = _samples([sp or {} for sp in sps])
+    if count * n > MAX_GENERATIONS:
+        raise _value_error(
+            f"this request asks for {count * n} generations ({count} prompts x n={n}); "
+            f"at most {MAX_GENERATIONS} per request"
+        )
+    if n > 1 and isinstance(body.get("top_logprobs_num"), list):
+        raise _value_error("top_logprobs_num cannot be a list when sampling_params.n > 1")
     outputs = _logprob_options(body, prompts, batch)
     experts = _routed_experts(body, prompts, outputs)
     client_id, rids = _rids(body, headers, count, batch)
-    routing = _routing(body, headers)
+    salts = per_prompt.get("extra_key", [None] * count)
     stream = _opt_bool(body, "stream")
     multi = batch or n > 1
 
     items: list[Envelope] = []
     options: list[ItemOptions] = []
-    shared = {k: v for k, v in body.items() if k not in _PER_PROMPT}
+    shared = {k: v for k, v in body.items() if k not in _NOT_FORWARDED and k not in per_prompt}
     for b, prompt in enumerate(prompts):
-        native = {**shared, "sampling_params": sps[b]}
-        for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
-            if key in body:
-                native[key] = _per_item(body, key, count, batch)[b]
+        # The native payload as the client sent it, narrowed to this prompt; each sample
+        # asks the engine for one generation (the fan-out is the mesh's job).
+        native = {**shared, **{key: values[b] for key, values in per_prompt.items()}}
+        if n > 1:
+            native["sampling_params"] = {**native["sampling_params"], "n": 1}
+        routing = _routing(body, salts[b])
         for _ in range(n):
             # With n > 1 SGLang gives every sample a fresh random rid.
             item_id = new_public_id() if n > 1 else rids[b]
@@ -431,7 +445,7 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
                     sampling=samplings[b].copy(),
                     output=replace(outputs[b]),
                     routing=routing.copy(),
-                    engine=native,
+                    engine=dict(native),
                 )
             )
             options.append(
