@@ -20,13 +20,18 @@ vLLM does (older builds silently used 16).
 gets `seed + i`, which is what vLLM V1's parallel sampling gives its child requests.
 Prompt logprobs are asked of sample 0 only (every sample has the same prompt).
 
+The envelope's `engine` map is the body as the client sent it (for engines that speak
+vLLM), minus `request_id`, `token_ids`, `stream` and `stream_options`, which the mesh
+handles; a fanned-out sample's `sampling_params` say `n = 1` and carry its own seed.
+`kv_transfer_params` stays at the top level: an adapter for vLLM v0.11-v0.18, which reads
+it only from `sampling_params.extra_args`, copies it there.
+
 Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`; messages
 reuse `SamplingParams`' wording where vLLM has one.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections.abc import Mapping
@@ -73,6 +78,8 @@ _UNSUPPORTED = {
     "by this server",
 }
 KNOWN_FIELDS = frozenset((*_CORE, *_UNSUPPORTED))
+# Fields the mesh handles itself: they never reach an engine's native payload.
+_NOT_FORWARDED = frozenset(("request_id", "token_ids", "stream", "stream_options"))
 
 _INT_PARAMS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 _NUMBER_PARAMS = (
@@ -95,7 +102,7 @@ _BOOL_PARAMS = (
     "return_sampling_mask_logprobs",
 )
 _DICT_PARAMS = ("structured_outputs", "extra_args", "logit_bias")
-# Accepted and ignored: the server sets it (DELTA for streams, as vLLM does).
+# Accepted; the engine adapter sets it (vLLM's server does too: DELTA for streams).
 _SERVER_OWNED = ("output_kind",)
 _UNSUPPORTED_PARAMS = {
     "logits_processors": "custom logits processors are not enabled on this server",
@@ -206,9 +213,7 @@ def _token_ids(body: Mapping[str, Any]) -> list[int]:
                 f"token_ids.{i}: Input should be a valid integer, got {tid!r:.40}", "token_ids"
             )
         if tid < 0:
-            raise _reject(
-                f"token_ids.{i}: token ids must be non-negative, got {tid}", "token_ids"
-            )
+            raise _reject(f"token_ids.{i}: token ids must be non-negative, got {tid}", "token_ids")
         if tid > MAX_TOKEN_ID:
             raise _reject(f"token_ids.{i}: token id {tid} is out of range", "token_ids")
     return ids
@@ -253,9 +258,7 @@ def _token_list_param(sp: Mapping[str, Any], key: str) -> list[int]:
     value = sp.get(key)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(
-        _is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value
-    ):
+    if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value):
         raise _reject(
             f"sampling_params.{key}: Input should be a list of non-negative token ids",
             f"sampling_params.{key}",
@@ -340,8 +343,7 @@ def _sampling(sp: Mapping[str, Any]) -> _Sampling:
         )
     if max_tokens is not None and min_tokens > max_tokens:
         raise _reject(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-            f"got {min_tokens}.",
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
             "sampling_params.min_tokens",
         )
     for key in ("logprobs", "prompt_logprobs"):
@@ -352,15 +354,12 @@ def _sampling(sp: Mapping[str, Any]) -> _Sampling:
             )
         if value == -1:
             raise _reject(
-                f"{key}=-1 (the whole vocabulary) is not supported by this server; "
-                "ask for a top-k",
+                f"{key}=-1 (the whole vocabulary) is not supported by this server; ask for a top-k",
                 f"sampling_params.{key}",
             )
     seed = ints["seed"]
     if seed is not None and not _INT64_MIN <= seed <= _UINT64_MAX - (n - 1):
-        raise _reject(
-            f"seed must be in [-2**63, 2**64 - n], got {seed}.", "sampling_params.seed"
-        )
+        raise _reject(f"seed must be in [-2**63, 2**64 - n], got {seed}.", "sampling_params.seed")
     stop = sp.get("stop")
     if not (stop is None or isinstance(stop, str) or (
         isinstance(stop, list) and all(isinstance(s, str) for s in stop)
@@ -471,7 +470,8 @@ def _priority(body: Mapping[str, Any]) -> int | None:
         return None
     if not _is_int(value):
         raise _reject(f"priority: Input should be a valid integer, got {value!r:.40}", "priority")
-    return max(_INT64_MIN, min(_INT64_MAX, -value))
+    negated: int = -value
+    return max(_INT64_MIN, min(_INT64_MAX, negated))
 
 
 def _cache_salt(body: Mapping[str, Any]) -> str | None:
@@ -527,15 +527,19 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
     client_id = _client_id(body, headers)
 
     k_out, k_prompt = sampling.logprobs, sampling.prompt_logprobs
-    native = _native(body, sp)
+    # The native payload as the client sent it, minus what the mesh handles itself.
+    native = {k: v for k, v in body.items() if k not in _NOT_FORWARDED}
+    _check_wire_ints(native)
     items: list[Envelope] = []
     for index in range(sampling.n):
-        canonical = copy.deepcopy(sampling.canonical)
-        item_native = copy.deepcopy(native)
-        item_native["sampling_params"]["n"] = 1
-        if canonical.seed is not None:
-            canonical.seed += index
-            item_native["sampling_params"]["seed"] = canonical.seed
+        canonical = sampling.canonical.copy()
+        item_native = dict(native)
+        if sampling.n > 1:
+            # Each sample asks its engine for one generation (the fan-out is the mesh's).
+            item_native["sampling_params"] = {**sp, "n": 1}
+            if canonical.seed is not None:
+                canonical.seed += index
+                item_native["sampling_params"]["seed"] = canonical.seed
         wants_prompt = k_prompt is not None and index == 0
         top = max(k_out or 0, k_prompt or 0) if wants_prompt else k_out or 0
         output = OutputOptions(
@@ -552,7 +556,7 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
                 client_id=client_id,
                 sampling=canonical,
                 output=output,
-                routing=copy.deepcopy(routing),
+                routing=routing.copy(),
                 engine=item_native,
             )
         )
@@ -567,22 +571,17 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
     return Bound(items=items, stream=bool(stream), client_id=client_id, options=options)
 
 
-def _native(body: Mapping[str, Any], sp: Mapping[str, Any]) -> dict[str, Any]:
-    """The native request for engines that speak vLLM: what the client sent, minus the
-    prompt, transport and ID fields (the envelope carries those)."""
-    sampling = {k: v for k, v in sp.items() if k not in _SERVER_OWNED}
-    sampling["detokenize"] = False  # tokens-only, as `--tokens-only` forces
-    native: dict[str, Any] = {"sampling_params": sampling}
-    for key in ("model", "cache_salt", "priority", "kv_transfer_params"):
-        if body.get(key) is not None:
-            native[key] = body[key]
-    kv_transfer = body.get("kv_transfer_params")
-    if kv_transfer is not None:
-        # Older vLLM builds read it only from extra_args; newer ones copy it there too.
-        extra = dict(sampling.get("extra_args") or {})
-        extra["kv_transfer_params"] = kv_transfer
-        sampling["extra_args"] = extra
-    return native
+def _check_wire_ints(value: Any) -> None:
+    """Refuse integers the bus cannot carry (msgpack: 64 bits) anywhere in the payload."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{i}", v) for i, v in enumerate(node))
+        elif _is_int(node) and not _INT64_MIN <= node <= _UINT64_MAX:
+            raise _reject(f"{path}: integer {node} does not fit in 64 bits", path)
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

@@ -1,0 +1,1021 @@
+"""vLLM /inference/v1/generate: `parse` + `bind` (request -> one envelope per sample) and
+`VllmExchange` (frames -> records, SSE payloads, unary bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict
+
+from genmesh.formats.base import Bound, RequestRejected
+from genmesh.formats.catalog import installed_formats, load_generate_formats
+from genmesh.formats.merge import Merger, fold
+from genmesh.formats.vllm import VllmFormat
+from genmesh.formats.vllm.request import (
+    KNOWN_FIELDS,
+    KNOWN_SAMPLING_PARAMS,
+    MAX_N,
+    VllmOptions,
+    error_type,
+)
+from genmesh.formats.vllm.response import (
+    MERGE_RULES,
+    VllmExchange,
+    clamp,
+    finish_reason,
+    prompt_logprobs,
+    top_entries,
+)
+from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.services.worker.execute import output_frame
+from genmesh.shared import frames
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode, MeshError
+
+JSON = {"content-type": "application/json"}
+FORMAT = VllmFormat()
+
+
+def raw(**fields: Any) -> bytes:
+    return json.dumps({"token_ids": [1, 2, 3], "sampling_params": {}, **fields}).encode()
+
+
+def bind_raw(data: bytes, headers: Any = None) -> Bound:
+    """What the handler does: parse the bytes, then bind the JSON value."""
+    return FORMAT.bind(FORMAT.parse(data), JSON if headers is None else headers)
+
+
+def bind(headers: Any = None, **fields: Any) -> Bound:
+    return bind_raw(raw(**fields), headers)
+
+
+def sp(**params: Any) -> Bound:
+    return bind(sampling_params=params)
+
+
+def rejected(data: bytes, headers: Any = None) -> RequestRejected:
+    with pytest.raises(RequestRejected) as info:
+        bind_raw(data, headers)
+    exc = info.value
+    assert exc.status == 400
+    assert set(exc.body) == {"error"}
+    err = exc.body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "BadRequestError"
+    assert err["code"] == 400
+    assert err["message"] == exc.message
+    return exc
+
+
+# --------------------------------------------------------------------------- parse/bind
+
+
+def test_the_format_is_installed_on_its_native_route() -> None:
+    assert installed_formats()["vllm"] is VllmFormat
+    served = {f.name: f.routes for f in load_generate_formats(env={})}
+    assert [(r.method, r.path) for r in served["vllm"]] == [("POST", "/inference/v1/generate")]
+    # As the /generate format it serves both paths, POST only.
+    (only,) = load_generate_formats("vllm", env={})
+    assert {(r.method, r.path) for r in only.routes} == {
+        ("POST", "/generate"),
+        ("POST", "/inference/v1/generate"),
+    }
+
+
+def test_a_minimal_request_binds_to_one_envelope_with_vllm_defaults() -> None:
+    bound = bind()
+    assert bound.stream is False
+    assert bound.client_id is None
+    assert bound.migration is None
+    (env,) = bound.items
+    assert env.id == ""
+    assert env.format == "vllm"
+    assert env.token_ids == [1, 2, 3]
+    assert env.model is None
+    s = env.sampling
+    # An omitted max_tokens is the server's default (the room left), not vLLM-v0.11's 16.
+    assert s.max_tokens is None
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (1.0, 1.0, None, 0.0)
+    assert (s.min_tokens, s.seed, s.stop_token_ids, s.ignore_eos) == (0, None, [], False)
+    assert env.output.to_wire() == {}
+    assert env.routing.to_wire() == {}
+    assert env.engine == {"sampling_params": {}}  # the body as sent, minus the prompt
+    assert bound.options == VllmOptions(
+        prompt_tokens=3,
+        logprobs=None,
+        prompt_logprobs=None,
+        model=None,
+        include_usage=False,
+        continuous_usage=False,
+    )
+
+
+def test_envelopes_survive_the_wire() -> None:
+    bound = bind(
+        sampling_params={"max_tokens": 5, "n": 2, "seed": 9, "logprobs": 1, "prompt_logprobs": 2},
+        model="m",
+        priority=3,
+        cache_salt="s",
+        kv_transfer_params={"do_remote_decode": True},
+        request_id="r",
+    )
+    for env in bound.items:
+        env.id = "p" * 32
+        assert Envelope.from_wire(env.to_wire()) == env
+
+
+def test_sampling_params_are_mapped() -> None:
+    env = sp(
+        max_tokens=20,
+        min_tokens=3,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.1,
+        seed=7,
+        stop_token_ids=[4, 5],
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+    ).items[0]
+    s = env.sampling
+    assert (s.max_tokens, s.min_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (
+        20, 3, 0.5, 0.9, 40, 0.1,
+    )  # fmt: skip
+    assert (s.seed, s.stop_token_ids, s.ignore_eos) == (7, [4, 5], True)
+    native = env.engine["sampling_params"]
+    assert native["presence_penalty"] == 0.5
+    assert native["repetition_penalty"] == 1.1
+    assert native["top_k"] == 40
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_zero_or_minus_one_is_off(top_k: int) -> None:
+    env = sp(top_k=top_k).items[0]
+    assert env.sampling.top_k is None
+    assert env.engine["sampling_params"]["top_k"] == top_k  # the native value is kept
+
+
+def test_min_tokens_without_max_tokens_is_fine() -> None:
+    assert sp(min_tokens=50).items[0].sampling.min_tokens == 50
+
+
+@pytest.mark.parametrize("stop", [None, "", []])
+def test_empty_stop_is_accepted(stop: Any) -> None:
+    sp(stop=stop)
+
+
+def test_passthrough_sampling_params_reach_the_engine() -> None:
+    env = sp(
+        structured_outputs={"regex": "a+"},
+        extra_args={"x": 1},
+        logit_bias={"5": -1.5},
+        allowed_token_ids=[1, 2],
+        return_sampling_mask=True,
+        skip_special_tokens=False,
+        detokenize=True,
+        output_kind=2,
+    ).items[0]
+    assert env.engine["sampling_params"] == {
+        "structured_outputs": {"regex": "a+"},
+        "extra_args": {"x": 1},
+        "logit_bias": {"5": -1.5},
+        "allowed_token_ids": [1, 2],
+        "return_sampling_mask": True,
+        "skip_special_tokens": False,
+        "detokenize": True,
+        "output_kind": 2,
+    }
+
+
+def test_top_level_fields_reach_the_engine_and_routing() -> None:
+    kv = {"do_remote_decode": True, "remote_host": None}
+    env = bind(
+        {**JSON, "x-request-id": "abc"},
+        model="genmesh-mock",
+        cache_salt="tenant-1",
+        priority=4,
+        kv_transfer_params=kv,
+        sampling_params={"extra_args": {"keep": 1}},
+        request_id="body-id",
+        stream=True,
+        stream_options={"include_usage": True},
+        output_mode="tokens",
+    ).items[0]
+    assert env.model == "genmesh-mock"
+    assert env.routing.cache_salt == "tenant-1"
+    assert env.routing.priority == -4
+    # The native payload: as sent, minus the prompt, the ID and the transport options.
+    assert env.engine == {
+        "model": "genmesh-mock",
+        "cache_salt": "tenant-1",
+        "priority": 4,  # vLLM's own sense
+        "kv_transfer_params": kv,
+        "sampling_params": {"extra_args": {"keep": 1}},
+        "output_mode": "tokens",
+    }
+
+
+@pytest.mark.parametrize(
+    ("priority", "routing"),
+    [
+        (None, None),
+        (0, 0),
+        (5, -5),
+        (-3, 3),
+        # The negation saturates (the native value must still fit the bus: 64 bits).
+        (2**64 - 1, -(2**63)),
+        (2**63, -(2**63)),
+        (-(2**63), 2**63 - 1),
+    ],
+)
+def test_priority_is_negated_and_saturates(priority: int | None, routing: int | None) -> None:
+    fields = {} if priority is None else {"priority": priority}
+    assert bind(**fields).items[0].routing.priority == routing
+
+
+@pytest.mark.parametrize(
+    ("headers", "rank"),
+    [
+        ({"X-data-parallel-rank": "3"}, 3),
+        ({"x-data-parallel-rank": " 4 "}, 4),
+        ({"x-data-parallel-rank": "+2"}, 2),
+        ({"x-data-parallel-rank": str(2**32 - 1)}, 2**32 - 1),
+        ({"x-data-parallel-rank": str(2**32)}, None),
+        ({"x-data-parallel-rank": "-1"}, None),
+        ({"x-data-parallel-rank": "1.5"}, None),
+        ({"x-data-parallel-rank": "two"}, None),
+        ({"x-data-parallel-rank": ""}, None),
+        ({}, None),
+    ],
+)
+def test_dp_rank_header(headers: dict[str, str], rank: int | None) -> None:
+    env = bind({**JSON, **headers}).items[0]
+    assert env.routing.dp_rank == rank
+
+
+@pytest.mark.parametrize(
+    ("headers", "fields", "client_id"),
+    [
+        ({}, {}, None),
+        ({}, {"request_id": "body-id"}, "body-id"),
+        ({"x-request-id": "hdr"}, {}, "hdr"),
+        ({"x-request-id": "hdr"}, {"request_id": "body-id"}, "hdr"),  # the header wins
+        ({"X-Request-Id": "  spaced  "}, {"request_id": "body-id"}, "spaced"),  # trimmed
+        ({"x-request-id": "   "}, {"request_id": "body-id"}, "body-id"),  # blank: ignored
+        ({"x-request-id": ""}, {}, None),
+        ({}, {"request_id": ""}, None),
+        ({}, {"request_id": None}, None),
+    ],
+)
+def test_client_id_rules(headers: dict[str, str], fields: dict[str, Any], client_id: Any) -> None:
+    bound = bind({**JSON, **headers}, **fields)
+    assert bound.client_id == client_id
+    assert all(env.client_id == client_id for env in bound.items)
+    assert all(env.id == "" for env in bound.items)  # the handler mints private IDs
+    assert all("request_id" not in env.engine for env in bound.items)
+
+
+def test_case_insensitive_headers_work() -> None:
+    headers = CIMultiDict({"Content-Type": "application/json", "X-REQUEST-ID": "abc"})
+    headers["X-Data-Parallel-Rank"] = "1"
+    bound = bind(headers)
+    assert bound.client_id == "abc"
+    assert bound.items[0].routing.dp_rank == 1
+
+
+def test_stream_flag() -> None:
+    assert bind(stream=True).stream is True
+    assert bind(stream=False).stream is False
+    assert bind(stream=None).stream is False
+
+
+@pytest.mark.parametrize(
+    ("options", "include", "continuous"),
+    [
+        (None, False, False),
+        ({}, True, False),
+        ({"include_usage": True}, True, False),
+        ({"include_usage": None}, True, False),
+        ({"include_usage": False}, False, False),
+        ({"continuous_usage_stats": True}, True, True),
+        ({"include_usage": False, "continuous_usage_stats": True}, False, False),
+    ],
+)
+def test_stream_options(options: Any, include: bool, continuous: bool) -> None:
+    opts = bind(stream=True, stream_options=options).options
+    assert (opts.include_usage, opts.continuous_usage) == (include, continuous)
+
+
+def test_output_options() -> None:
+    assert sp(logprobs=None).items[0].output.to_wire() == {}
+    assert sp(logprobs=0).items[0].output.to_wire() == {"logprobs": True}
+    assert sp(logprobs=3).items[0].output.to_wire() == {"logprobs": True, "top_logprobs": 3}
+    # Prompt logprobs from position 0, with the larger top-k of the two.
+    out = sp(logprobs=1, prompt_logprobs=4).items[0].output
+    assert out.to_wire() == {"logprobs": True, "top_logprobs": 4, "prompt_logprobs_start": 0}
+    out = sp(prompt_logprobs=0).items[0].output
+    assert out.to_wire() == {"prompt_logprobs_start": 0}
+    opts = sp(logprobs=1, prompt_logprobs=4).options
+    assert (opts.logprobs, opts.prompt_logprobs) == (1, 4)
+
+
+def test_one_token_prompt_can_ask_for_prompt_logprobs() -> None:
+    bound = bind_raw(
+        json.dumps({"token_ids": [9], "sampling_params": {"prompt_logprobs": 1}}).encode()
+    )
+    assert bound.items[0].output.prompt_logprobs_start == 0
+
+
+def test_n_fans_out_into_one_envelope_per_sample() -> None:
+    bound = sp(n=3, seed=10, logprobs=1, prompt_logprobs=2, max_tokens=4)
+    assert len(bound.items) == 3
+    assert [env.sampling.seed for env in bound.items] == [10, 11, 12]  # vLLM V1's children
+    assert [env.engine["sampling_params"]["seed"] for env in bound.items] == [10, 11, 12]
+    assert all(env.engine["sampling_params"]["n"] == 1 for env in bound.items)
+    assert all(env.engine["sampling_params"]["max_tokens"] == 4 for env in bound.items)
+    assert all(env.sampling.max_tokens == 4 for env in bound.items)
+    # Prompt logprobs once, from sample 0; the others ask only for their own top-k.
+    assert [env.output.prompt_logprobs_start for env in bound.items] == [0, None, None]
+    assert [env.output.top_logprobs for env in bound.items] == [2, 1, 1]
+    # Independent copies.
+    bound.items[0].sampling.stop_token_ids.append(99)
+    bound.items[0].routing.exclude.append("w")
+    bound.items[0].engine["x"] = 1
+    assert bound.items[1].sampling.stop_token_ids == []
+    assert bound.items[1].routing.exclude == []
+    assert "x" not in bound.items[1].engine
+
+
+def test_n_without_seed_keeps_seeds_unset() -> None:
+    bound = sp(n=2)
+    assert [env.sampling.seed for env in bound.items] == [None, None]
+    assert all(env.engine["sampling_params"] == {"n": 1} for env in bound.items)
+    # n = 1 as sent stays as sent.
+    assert sp(n=1).items[0].engine["sampling_params"] == {"n": 1}
+
+
+def test_output_mode_tokens_is_accepted() -> None:
+    bind(output_mode="tokens")
+
+
+# ------------------------------------------------------------------- validation paths
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"content-type": "text/plain"},
+        {"content-type": "application/x-www-form-urlencoded"},
+        {"content-type": "application/jsonl"},
+    ],
+)
+def test_only_json_content_types_are_accepted(headers: dict[str, str]) -> None:
+    exc = rejected(raw(), headers)
+    assert "Only 'application/json' is allowed" in exc.message
+
+
+def test_json_content_type_with_parameters_is_fine() -> None:
+    bind({"Content-Type": "application/json; charset=utf-8"})
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"", b"\xff\xfe", b'{"a": 1'])
+def test_non_json_bodies(data: bytes) -> None:
+    exc = rejected(data)
+    assert exc.message.startswith("JSON decode error")
+
+
+@pytest.mark.parametrize("value", [[1, 2], "x", 3, None])
+def test_body_must_be_an_object(value: Any) -> None:
+    rejected(json.dumps(value).encode())
+
+
+def test_unknown_top_level_fields_are_named() -> None:
+    exc = rejected(raw(zeta=1, alpha=2, input_ids=[1]))
+    assert exc.message == "unsupported top-level vLLM generate field(s): alpha, input_ids, zeta"
+
+
+def test_known_fields_are_what_the_docs_say() -> None:
+    assert {"request_id", "token_ids", "sampling_params", "model", "stream"} <= KNOWN_FIELDS
+    assert {"n", "max_tokens", "logprobs", "prompt_logprobs", "structured_outputs"} <= (
+        KNOWN_SAMPLING_PARAMS
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment", "param"),
+    [
+        ({"features": {"mm_hashes": {}}}, "multimodal", "features"),
+        ({"features": "x"}, "multimodal", "features"),
+        ({"ec_transfer_params": {"a": 1}}, "encoder-cache", "ec_transfer_params"),
+        ({"output_mode": "text"}, "output_mode 'text' is not supported", "output_mode"),
+        ({"token_ids": None}, "token_ids: Field required", "token_ids"),
+        ({"token_ids": "abc"}, "token_ids: Input should be a valid list", "token_ids"),
+        ({"token_ids": []}, "at least 1 item", "token_ids"),
+        ({"token_ids": [1, "x"]}, "token_ids.1: Input should be a valid integer", "token_ids"),
+        ({"token_ids": [1, True]}, "token_ids.1: Input should be a valid integer", "token_ids"),
+        ({"token_ids": [1, 2.0]}, "token_ids.1: Input should be a valid integer", "token_ids"),
+        ({"token_ids": [0, -1]}, "token_ids.1: token ids must be non-negative", "token_ids"),
+        ({"token_ids": [2**31]}, "out of range", "token_ids"),
+        ({"sampling_params": None}, "sampling_params: Field required", "sampling_params"),
+        ({"sampling_params": [1]}, "Input should be a valid dictionary", "sampling_params"),
+        ({"model": 5}, "model: Input should be a valid string", "model"),
+        ({"request_id": 5}, "request_id: Input should be a valid string", "request_id"),
+        ({"stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
+        ({"stream_options": []}, "valid dictionary", "stream_options"),
+        ({"stream_options": {"include_usage": 1}}, "valid boolean", "stream_options.include_usage"),
+        ({"stream_options": {"x": True}}, "stream_options field(s): x", "stream_options"),
+        ({"priority": "1"}, "priority: Input should be a valid integer", "priority"),
+        ({"priority": True}, "priority: Input should be a valid integer", "priority"),
+        ({"priority": 1.5}, "priority: Input should be a valid integer", "priority"),
+        ({"cache_salt": ""}, "cache_salt must be a non-empty string", "cache_salt"),
+        ({"cache_salt": "x" * 1025}, "at most 1024", "cache_salt"),
+        ({"cache_salt": 3}, "cache_salt: Input should be a valid string", "cache_salt"),
+        ({"kv_transfer_params": [1]}, "kv_transfer_params", "kv_transfer_params"),
+    ],
+)  # fmt: skip
+def test_bad_top_level_fields(fields: dict[str, Any], fragment: str, param: str) -> None:
+    exc = rejected(raw(**fields))
+    assert fragment in exc.message
+    assert exc.body["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"priority": 2**64}, "priority"),
+        (
+            {"sampling_params": {"extra_args": {"a": [1, -(2**63) - 1]}}},
+            "sampling_params.extra_args.a.1",
+        ),
+        ({"kv_transfer_params": {"remote_port": 10**30}}, "kv_transfer_params.remote_port"),
+    ],
+)
+def test_integers_the_bus_cannot_carry_are_refused(fields: dict[str, Any], param: str) -> None:
+    exc = rejected(raw(**fields))
+    assert "does not fit in 64 bits" in exc.message
+    assert exc.body["error"]["param"] == param
+
+
+def test_missing_token_ids_and_sampling_params() -> None:
+    assert "token_ids: Field required" in rejected(b'{"sampling_params": {}}').message
+    assert "sampling_params: Field required" in rejected(b'{"token_ids": [1]}').message
+
+
+SP = "sampling_params."
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        # vLLM SamplingParams' own wording.
+        ({"n": 0}, "n must be at least 1, got 0."),
+        ({"n": MAX_N + 1}, f"n must be at most {MAX_N}, got {MAX_N + 1}."),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5."),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3.0."),
+        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0."),
+        ({"temperature": -0.1}, "temperature must be non-negative, got -0.1."),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0."),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5."),
+        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2."),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5."),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1."),
+        (
+            {"max_tokens": 2, "min_tokens": 3},
+            "min_tokens must be less than or equal to max_tokens=2, got 3.",
+        ),
+        ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2."),
+        ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5."),
+        ({"logprobs": -1}, "logprobs=-1 (the whole vocabulary) is not supported"),
+        ({"seed": 2**64}, "seed must be in"),
+        ({"seed": -(2**63) - 1}, "seed must be in"),
+        ({"seed": 2**64 - 2, "n": 3}, "seed must be in"),  # seed + i must fit
+        ({"stop": ["x"]}, "stop strings need a tokenizer"),
+        ({"stop": "x"}, "stop strings need a tokenizer"),
+        ({"stop": 5}, "stop: Input should be a string or a list of strings"),
+        ({"stop": [1]}, "stop: Input should be a string or a list of strings"),
+        ({"bad_words": ["x"]}, "bad_words need a tokenizer"),
+        ({"logits_processors": ["a"]}, "logits processors are not enabled"),
+        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens is not supported"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids: Input should be a list of non-negative"),
+        ({"stop_token_ids": 5}, "stop_token_ids: Input should be a list of non-negative"),
+        ({"allowed_token_ids": ["a"]}, "allowed_token_ids: Input should be a list"),
+        ({"logit_bias": {"x": 1}}, "logit_bias: keys must be token ids"),
+        ({"logit_bias": {"5": "a"}}, "logit_bias: values must be finite numbers"),
+        ({"logit_bias": [1]}, "logit_bias: Input should be a valid dictionary"),
+        ({"structured_outputs": "json"}, "structured_outputs: Input should be a valid dictionary"),
+        ({"extra_args": []}, "extra_args: Input should be a valid dictionary"),
+        ({"temperature": "hot"}, "temperature: Input should be a valid number"),
+        ({"temperature": True}, "temperature: Input should be a valid number"),
+        ({"max_tokens": 1.5}, "max_tokens: Input should be a valid integer"),
+        ({"n": True}, "n: Input should be a valid integer"),
+        ({"ignore_eos": "yes"}, "ignore_eos: Input should be a valid boolean"),
+        ({"detokenize": 1}, "detokenize: Input should be a valid boolean"),
+        ({"max_new_tokens": 5}, "unsupported sampling_params field(s): max_new_tokens"),
+        ({"zz": 1, "aa": 2}, "unsupported sampling_params field(s): aa, zz"),
+    ],
+)
+def test_bad_sampling_params(params: dict[str, Any], message: str) -> None:
+    exc = rejected(raw(sampling_params=params))
+    assert message in exc.message
+    param = exc.body["error"]["param"]
+    assert param == "sampling_params" or param.startswith(SP)
+
+
+def test_non_finite_numbers_are_refused() -> None:
+    exc = rejected(b'{"token_ids": [1], "sampling_params": {"temperature": NaN}}')
+    assert "temperature must be a finite number" in exc.message
+    exc = rejected(b'{"token_ids": [1], "sampling_params": {"top_p": Infinity}}')
+    assert "top_p must be a finite number" in exc.message
+
+
+# ------------------------------------------------------------------------ rendering
+
+VOCAB, EOS = 1000, 7
+
+
+async def _frames(env: Envelope) -> list[frames.Frame]:
+    engine = MockEngine(MockConfig(vocab_size=VOCAB, eos_token_id=EOS))
+    return [output_frame("p", out) async for out in engine.generate(env)]
+
+
+def run(bound: Bound, public_id: str = "pub") -> tuple[VllmExchange, list[list[frames.Frame]]]:
+    for env in bound.items:
+        env.id = "p" * 32
+    exchange = FORMAT.exchange(bound, public_id, 0.0)
+    assert isinstance(exchange, VllmExchange)
+
+    async def collect() -> list[list[frames.Frame]]:
+        return [await _frames(env) for env in bound.items]
+
+    return exchange, asyncio.run(collect())
+
+
+def unary(bound: Bound, public_id: str = "pub") -> dict[str, Any]:
+    exchange, per_item = run(bound, public_id)
+    mergers = [Merger(FORMAT.merge_rules, FORMAT.joiners) for _ in per_item]
+    for index, item_frames in enumerate(per_item):
+        for frame in item_frames:
+            mergers[index].add(exchange.render(index, frame))
+    body = exchange.body([m.result() for m in mergers])
+    json.dumps(body, allow_nan=False)  # valid JSON
+    return dict(body)
+
+
+def sse(bound: Bound, public_id: str = "pub") -> list[dict[str, Any]]:
+    exchange, per_item = run(bound, public_id)
+    chunks: list[dict[str, Any]] = []
+    for index, item_frames in enumerate(per_item):
+        for frame in item_frames:
+            chunks += exchange.sse(index, exchange.render(index, frame))
+    chunks += exchange.sse_end()
+    json.dumps(chunks, allow_nan=False)
+    return chunks
+
+
+def test_unary_body_shape() -> None:
+    body = unary(sp(max_tokens=4, ignore_eos=True), "abc")
+    assert list(body) == ["request_id", "choices", "usage", "prompt_logprobs", "kv_transfer_params"]
+    assert body["request_id"] == "generate-tokens-abc"
+    (choice,) = body["choices"]
+    assert list(choice) == ["index", "token_ids", "logprobs", "finish_reason", "stop_reason"]
+    assert choice["index"] == 0
+    assert len(choice["token_ids"]) == 4
+    assert all(isinstance(t, int) for t in choice["token_ids"])
+    assert choice["logprobs"] is None
+    assert choice["finish_reason"] == "length"
+    assert choice["stop_reason"] is None
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert body["prompt_logprobs"] is None
+    assert body["kv_transfer_params"] is None
+
+
+def test_output_logprobs_have_integer_ids_and_ranks() -> None:
+    body = unary(sp(max_tokens=5, ignore_eos=True, logprobs=3))
+    choice = body["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [e["token_id"] for e in content] == choice["token_ids"]
+    for entry in content:
+        assert list(entry) == ["token_id", "logprob", "rank", "top_logprobs"]
+        assert entry["rank"] == 1  # the mock decodes greedily
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3
+        assert tops[0] == {k: entry[k] for k in ("token_id", "logprob", "rank")}
+        assert [t["rank"] for t in tops] == [1, 2, 3]
+        assert tops[0]["logprob"] >= tops[1]["logprob"] >= tops[2]["logprob"]
+        assert all(isinstance(t["token_id"], int) for t in tops)
+
+
+def test_logprobs_zero_is_the_sampled_token_only() -> None:
+    content = unary(sp(max_tokens=3, ignore_eos=True, logprobs=0))["choices"][0]["logprobs"]
+    assert [e["top_logprobs"] for e in content["content"]] == [[], [], []]
+    assert all(isinstance(e["logprob"], float) for e in content["content"])
+
+
+def test_sampled_token_comes_first_in_top_logprobs() -> None:
+    top = [(10, -0.1), (11, -0.5), (12, -0.9)]
+    # A token sampled below the top: it leads, then the best alternatives, k in all.
+    assert top_entries(12, -0.9, 3, top, 2) == [
+        {"token_id": 12, "logprob": -0.9, "rank": 3},
+        {"token_id": 10, "logprob": -0.1, "rank": 1},
+    ]
+    assert top_entries(20, -4.0, 30, top, 3) == [
+        {"token_id": 20, "logprob": -4.0, "rank": 30},
+        {"token_id": 10, "logprob": -0.1, "rank": 1},
+        {"token_id": 11, "logprob": -0.5, "rank": 2},
+    ]
+    # The greedy token: exactly the top k.
+    assert [e["token_id"] for e in top_entries(10, -0.1, 1, top, 3)] == [10, 11, 12]
+    assert top_entries(10, -0.1, 1, top, 0) == []
+
+
+def test_logprobs_are_clamped_like_vllm() -> None:
+    assert clamp(-math.inf) == -9999.0
+    assert clamp(-12345.0) == -9999.0
+    assert clamp(-1.5) == -1.5
+    assert clamp(math.nan) == -9999.0
+
+
+@pytest.mark.parametrize(
+    ("finish", "expected"),
+    [
+        (None, (None, None)),
+        ({"reason": "eos", "matched": 7}, ("stop", None)),
+        ({"reason": "stop", "matched": 42}, ("stop", 42)),
+        ({"reason": "stop"}, ("stop", None)),
+        ({"reason": "length"}, ("length", None)),
+        ({"reason": "abort", "message": "x"}, ("abort", None)),
+        ({"reason": "weird"}, ("abort", None)),
+    ],
+)
+def test_finish_reasons(finish: Any, expected: tuple[Any, Any]) -> None:
+    assert finish_reason(finish) == expected
+
+
+def test_prompt_logprobs_shape() -> None:
+    prompt = [5, 6, 7, 8]
+    body = unary(
+        bind_raw(
+            json.dumps(
+                {"token_ids": prompt, "sampling_params": {"max_tokens": 2, "prompt_logprobs": 2}}
+            ).encode()
+        )
+    )
+    plp = body["prompt_logprobs"]
+    assert len(plp) == len(prompt)
+    assert plp[0] is None
+    for pos, entry in enumerate(plp[1:], start=1):
+        keys = list(entry)
+        assert keys[0] == str(prompt[pos])  # the actual prompt token first
+        assert 2 <= len(keys) <= 3  # plus the top 2 (one may be the token itself)
+        for value in entry.values():
+            assert list(value) == ["logprob", "rank", "decoded_token"]
+            assert value["decoded_token"] is None
+            assert isinstance(value["rank"], int)
+        alt_ranks = [v["rank"] for k, v in entry.items() if k != str(prompt[pos])]
+        assert alt_ranks == sorted(alt_ranks)
+        assert set(alt_ranks) <= {1, 2}
+    assert body["choices"][0]["logprobs"] is None  # no sample logprobs asked
+
+
+def test_one_token_prompt_gives_one_null_entry() -> None:
+    data = {"token_ids": [9], "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}
+    body = unary(bind_raw(json.dumps(data).encode()))
+    assert body["prompt_logprobs"] == [None]
+    assert len(body["choices"][0]["token_ids"]) >= 1
+
+
+@pytest.mark.parametrize(("k_out", "k_prompt"), [(1, 4), (4, 1), (0, 3), (3, 0)])
+def test_each_list_is_trimmed_to_its_own_k(k_out: int, k_prompt: int) -> None:
+    body = unary(sp(max_tokens=3, ignore_eos=True, logprobs=k_out, prompt_logprobs=k_prompt))
+    for entry in body["choices"][0]["logprobs"]["content"]:
+        assert len(entry["top_logprobs"]) == k_out
+    for entry in body["prompt_logprobs"][1:]:
+        alternatives = [v for v in entry.values() if v["rank"] <= k_prompt]
+        assert len(entry) in (k_prompt, k_prompt + 1)
+        assert len(alternatives) == k_prompt or len(entry) == k_prompt + 1
+
+
+def test_prompt_logprobs_shorter_than_the_prompt_are_aligned_to_its_end() -> None:
+    frame = {
+        "t": "out",
+        "tokens": [],
+        "prompt_logprobs": [None, -1.0],
+        "prompt_ranks": [None, 2],
+        "prompt_top_logprobs": [None, [(4, -0.5), (3, -1.0)]],
+    }
+    assert prompt_logprobs(frame, [1, 2, 3], 1) == [
+        None,
+        None,
+        {
+            "3": {"logprob": -1.0, "rank": 2, "decoded_token": None},
+            "4": {"logprob": -0.5, "rank": 1, "decoded_token": None},
+        },
+    ]
+    # The token itself in the top list keeps its place first, once.
+    assert list(prompt_logprobs(frame, [1, 2, 3], 2)[2]) == ["3", "4"]
+
+
+def test_stop_token_sets_stop_reason() -> None:
+    free = unary(sp(max_tokens=6, ignore_eos=True))["choices"][0]["token_ids"]
+    stop = free[2]
+    choice = unary(sp(max_tokens=6, stop_token_ids=[stop]))["choices"][0]
+    assert choice["token_ids"] == free[: free.index(stop) + 1]
+    assert choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == stop
+
+
+def test_n_samples_are_choices_in_order() -> None:
+    body = unary(sp(max_tokens=3, ignore_eos=True, n=2, seed=1))
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    one = unary(sp(max_tokens=3, ignore_eos=True, seed=1))["choices"][0]["token_ids"]
+    two = unary(sp(max_tokens=3, ignore_eos=True, seed=2))["choices"][0]["token_ids"]
+    assert [c["token_ids"] for c in body["choices"]] == [one, two]
+    assert body["usage"]["prompt_tokens"] == 3  # the prompt counts once
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["total_tokens"] == 9
+
+
+def test_sse_chunks() -> None:
+    chunks = sse(sp(max_tokens=3, ignore_eos=True, logprobs=1), "abc")
+    assert len(chunks) == 3  # no usage chunk without stream_options
+    for chunk in chunks:
+        assert list(chunk)[:3] == ["request_id", "choices", "usage"]
+        assert chunk["request_id"] == "generate-tokens-abc"
+        assert chunk["usage"] is None
+        (choice,) = chunk["choices"]
+        assert choice["index"] == 0
+        assert len(choice["token_ids"]) == 1  # deltas
+        assert len(choice["logprobs"]["content"]) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    body = unary(sp(max_tokens=3, ignore_eos=True, logprobs=1), "abc")
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == body["choices"][0][
+        "token_ids"
+    ]
+    assert [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]] == body["choices"][
+        0
+    ]["logprobs"]["content"]
+
+
+def test_sse_carries_prompt_logprobs_once() -> None:
+    chunks = sse(sp(max_tokens=3, ignore_eos=True, prompt_logprobs=1))
+    assert "prompt_logprobs" in chunks[0]
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    body = unary(sp(max_tokens=3, ignore_eos=True, prompt_logprobs=1))
+    assert chunks[0]["prompt_logprobs"] == body["prompt_logprobs"]
+
+
+def test_sse_usage_chunk_and_continuous_usage() -> None:
+    chunks = sse(bind(stream=True, stream_options={}, sampling_params={"max_tokens": 2, "n": 2}))
+    *data, last = chunks
+    assert all(c["usage"] is None for c in data)
+    assert last == {
+        "request_id": last["request_id"],
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
+    chunks = sse(
+        bind(
+            stream=True,
+            stream_options={"continuous_usage_stats": True},
+            sampling_params={"max_tokens": 3, "ignore_eos": True},
+        )
+    )
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3]
+    assert [c["usage"]["total_tokens"] for c in chunks[:-1]] == [4, 5, 6]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def _exchange(**options: Any) -> VllmExchange:
+    opts = {
+        "prompt_tokens": 2,
+        "logprobs": None,
+        "prompt_logprobs": None,
+        "model": None,
+        "include_usage": False,
+        "continuous_usage": False,
+        **options,
+    }
+    return VllmExchange(VllmOptions(**opts), "id", [1, 2], 1)
+
+
+def test_sse_skips_empty_frames_but_never_the_terminal_one() -> None:
+    ex = _exchange()
+    assert ex.sse(0, ex.render(0, {"t": "out", "tokens": []})) == []
+    assert ex.sse(0, ex.render(0, {"t": "out", "tokens": [5]})) != []
+    (end,) = ex.sse(0, ex.render(0, {"t": "end", "tokens": [], "finish": {"reason": "abort"}}))
+    assert end["choices"][0]["token_ids"] == []
+    assert end["choices"][0]["finish_reason"] == "abort"
+
+
+def test_engine_metadata_is_kept_alongside_prompt_logprobs() -> None:
+    ex = _exchange(prompt_logprobs=0)
+    first = {
+        "t": "out",
+        "tokens": [3],
+        "prompt_logprobs": [None, -0.5],
+        "prompt_ranks": [None, 1],
+        "engine": {"weight_version": "v1"},
+    }
+    last = {
+        "t": "end",
+        "tokens": [4],
+        "finish": {"reason": "length"},
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 1},
+        "engine": {
+            "sampling_mask": [[0, 1, 1]],
+            "kv_transfer_params": {"remote_block_ids": [[1]]},
+            "token_ids": "not-allowed-to-override",
+        },
+    }
+    records = [ex.render(0, first), ex.render(0, last)]
+    chunks = [c for i, r in enumerate(records) for c in ex.sse(0, r)]
+    body = ex.body([fold(records, MERGE_RULES)])
+    assert body["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -0.5, "rank": 1, "decoded_token": None}},
+    ]
+    choice = body["choices"][0]
+    assert choice["token_ids"] == [3, 4]
+    assert choice["sampling_mask"] == [[0, 1, 1]]
+    assert choice["weight_version"] == "v1"  # metadata of different frames merges
+    assert body["kv_transfer_params"] == {"remote_block_ids": [[1]]}
+    assert "kv_transfer_params" not in choice
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+    # The stream carries the same.
+    assert chunks[0]["choices"][0]["weight_version"] == "v1"
+    assert chunks[0]["prompt_logprobs"] == body["prompt_logprobs"]
+    assert chunks[1]["choices"][0]["sampling_mask"] == [[0, 1, 1]]
+    assert chunks[1]["choices"][0]["token_ids"] == [4]
+    assert chunks[1]["kv_transfer_params"] == {"remote_block_ids": [[1]]}
+
+
+def test_a_frame_with_only_metadata_is_streamed() -> None:
+    ex = _exchange()
+    (chunk,) = ex.sse(0, ex.render(0, {"t": "out", "tokens": [], "engine": {"x": 1}}))
+    assert chunk["choices"][0] == {
+        "index": 0,
+        "token_ids": [],
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "x": 1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "BadRequestError"),
+        (404, "NotFoundError"),
+        (413, None),
+        (499, "RequestCancelledError"),
+        (500, "InternalServerError"),
+        (501, "NotImplementedError"),
+        (503, "ServiceUnavailableError"),
+        (504, "GatewayTimeoutError"),
+        (599, "InternalServerError"),
+    ],
+)
+def test_error_types(status: int, kind: str | None) -> None:
+    name = error_type(status)
+    if kind is not None:
+        assert name == kind
+    assert name.endswith("Error")
+    assert not name.endswith("ErrorError")
+    assert FORMAT.error_body(status, "m") == {
+        "error": {"message": "m", "type": name, "param": None, "code": status}
+    }
+
+
+def test_exchange_errors() -> None:
+    ex = _exchange(model="other-model")
+    err = MeshError(ErrorCode.NOT_FOUND, "model 'other-model' is not served here; served: x")
+    assert ex.error(err, 404) == {
+        "error": {
+            "message": "The model `other-model` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    err = MeshError(ErrorCode.UNAVAILABLE, "worker went away")
+    assert ex.error(err, 503) == {
+        "error": {
+            "message": "worker went away",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+    }
+    err = MeshError(ErrorCode.INVALID_ARGUMENT, "token id 5000 is outside the vocabulary")
+    assert ex.error(err, 400)["error"]["type"] == "BadRequestError"
+
+
+# ------------------------------------------------------------------ merge property
+
+logprob = st.floats(min_value=-20, max_value=0, allow_nan=False)
+
+
+@st.composite
+def generations(draw: st.DrawFn) -> tuple[list[frames.Frame], list[int]]:
+    """A generation as one frame per token, plus the sizes to regroup it into."""
+    count = draw(st.integers(min_value=0, max_value=12))
+    per_token = []
+    for _ in range(count):
+        token = draw(st.integers(min_value=0, max_value=50))
+        per_token.append(
+            (
+                token,
+                draw(logprob),
+                draw(st.integers(min_value=1, max_value=40)),
+                [(draw(st.integers(0, 50)), draw(logprob)) for _ in range(3)],
+            )
+        )
+    cuts = draw(st.lists(st.integers(min_value=0, max_value=count), max_size=6))
+    return per_token, sorted(set(cuts))
+
+
+def _frames_of(
+    per_token: list[Any], cuts: list[int], finish: dict[str, Any], engine: dict[str, Any]
+) -> list[frames.Frame]:
+    bounds = [0, *cuts, len(per_token)]
+    out: list[frames.Frame] = []
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
+        group = per_token[a:b]
+        frame: frames.Frame = {
+            "t": "out",
+            "tokens": [t for t, _, _, _ in group],
+            "logprobs": [lp for _, lp, _, _ in group],
+            "ranks": [r for _, _, r, _ in group],
+            "top_logprobs": [top for _, _, _, top in group],
+        }
+        if n == 0:
+            frame["prompt_logprobs"] = [None, -0.25]
+            frame["prompt_ranks"] = [None, 2]
+            frame["prompt_top_logprobs"] = [None, [(9, -0.1), (8, -0.2)]]
+            frame["cached_tokens"] = 1
+        out.append(frame)
+    out[-1]["t"] = "end"
+    out[-1]["finish"] = finish
+    out[-1]["usage"] = {"completion_tokens": len(per_token)}
+    out[-1]["engine"] = engine
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    generation=generations(),
+    finish=st.sampled_from(
+        [{"reason": "length"}, {"reason": "eos"}, {"reason": "stop", "matched": 3}]
+    ),
+    k=st.integers(min_value=0, max_value=3),
+)
+def test_folding_is_independent_of_how_tokens_are_split_into_frames(
+    generation: tuple[list[Any], list[int]], finish: dict[str, Any], k: int
+) -> None:
+    per_token, cuts = generation
+    engine = {"sampling_mask": [[1, 0]]}
+
+    def render_all(frame_list: list[frames.Frame]) -> tuple[Any, list[Any]]:
+        ex = _exchange(logprobs=k, prompt_logprobs=k, include_usage=True)
+        records = [ex.render(0, f) for f in frame_list]
+        chunks = [c for r in records for c in ex.sse(0, r)] + ex.sse_end()
+        return ex.body([fold(records, MERGE_RULES)]), chunks
+
+    whole, whole_chunks = render_all(_frames_of(per_token, [], finish, engine))
+    split, split_chunks = render_all(_frames_of(per_token, cuts, finish, engine))
+    assert split == whole
+    # Streams differ in chunking only: the same tokens, logprobs and final usage.
+    for chunks in (whole_chunks, split_chunks):
+        data = [c for c in chunks if c["choices"]]
+        assert [t for c in data for t in c["choices"][0]["token_ids"]] == [
+            t for t, _, _, _ in per_token
+        ]
+        assert [e for c in data for e in c["choices"][0]["logprobs"]["content"]] == whole[
+            "choices"
+        ][0]["logprobs"]["content"]
+        assert chunks[-1]["usage"] == whole["usage"]
+        assert data[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert whole["usage"]["completion_tokens"] == len(per_token)
