@@ -67,6 +67,22 @@ async def test_no_router_is_no_responders(own_mesh: Mesh, nats_url: str) -> None
     assert "nothing is subscribed" in frames[-1]["message"]
 
 
+async def test_health_needs_a_router_too(own_mesh: Mesh) -> None:
+    own_mesh.add_frontend()
+    own_mesh.add_worker()
+    async with aiohttp.ClientSession() as s, s.get(own_mesh.http_url + "/health") as r:
+        assert r.status == 503
+        assert "no router" in await r.text()
+    router = own_mesh.add_router()
+    await asyncio.to_thread(
+        wait_until, lambda: own_mesh._http_ok("/health"), 5.0, 0.05, "health with a router"
+    )
+    router.terminate()  # a clean stop says goodbye: readiness drops at once
+    await asyncio.to_thread(
+        wait_until, lambda: not own_mesh._http_ok("/health"), 1.0, 0.02, "health to drop"
+    )
+
+
 async def test_oversized_and_pathological_bodies(own_mesh: Mesh) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend("--body-limit-mb", "0.001")

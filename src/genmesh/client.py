@@ -183,11 +183,16 @@ class MeshClient:
         target = subject or self.subjects.router_generate
         try:
             try:
+                data = self.codec.encode(envelope.to_wire())
+            except CodecError as exc:  # e.g. an integer beyond 64 bits in a native field
+                finished = True
+                yield frames.synthetic_err(
+                    rid, ErrorCode.INVALID_ARGUMENT, f"the request cannot be encoded: {exc}"
+                )
+                return
+            try:
                 await self.nc.publish(
-                    target,
-                    self.codec.encode(envelope.to_wire()),
-                    reply=f"{self._inbox}.{token}",
-                    headers=codec_headers(self.codec),
+                    target, data, reply=f"{self._inbox}.{token}", headers=codec_headers(self.codec)
                 )
             except NatsError as exc:  # closed, draining, or the reconnect buffer is full
                 finished = True  # nothing went out, nothing to cancel

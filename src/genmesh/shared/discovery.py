@@ -1,10 +1,12 @@
-"""The live set of workers, kept from their announcements (`docs/protocol.md`, "Discovery").
+"""The live set of workers (and routers), kept from their announcements (`docs/protocol.md`,
+"Discovery").
 
 Workers announce a card at start, on every load change (coalesced) and every heartbeat
 interval; they publish `leave` when they stop cleanly. A worker whose announcements stop
 (SIGKILL, partition) is dropped after `EXPIRY_HEARTBEATS` missed heartbeats. A directory
 that starts late asks every worker to announce at once, so it is complete within a round
-trip instead of a heartbeat interval.
+trip instead of a heartbeat interval. Routers announce their presence the same way, so a
+frontend can tell whether anything would route its requests.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class WorkerDirectory:
         self.nc = nc
         self.subjects = subjects
         self.workers: dict[str, WorkerInfo] = {}
+        # Router id -> (last seen, seconds it may stay silent).
+        self.routers: dict[str, tuple[float, float]] = {}
         self._listeners: list[Listener] = []
         self._sub: Subscription | None = None
         self._tasks = TaskOwner("worker directory")
@@ -113,13 +117,23 @@ class WorkerDirectory:
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             log.info("ignored discovery message without a worker id")
             return
-        if msg.subject == self.subjects.leave:
+        if msg.subject == self.subjects.router_presence:
+            self._update_router(obj)
+        elif msg.subject == self.subjects.leave:
             gone = self.workers.pop(obj["id"], None)
             if gone is not None:
                 log.info("worker %s left", gone.id)
                 self._emit("removed", gone)
         elif msg.subject == self.subjects.announce:
             self._update(obj)
+
+    def _update_router(self, presence: dict[str, Any]) -> None:
+        rid = presence["id"]
+        heartbeat = presence.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
+        if presence.get("leaving") is True:
+            self.routers.pop(rid, None)
+        elif isinstance(heartbeat, int | float) and not isinstance(heartbeat, bool):
+            self.routers[rid] = (time.monotonic(), EXPIRY_HEARTBEATS * float(heartbeat))
 
     def _update(self, card: dict[str, Any]) -> None:
         wid = card["id"]
@@ -155,6 +169,10 @@ class WorkerDirectory:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
+            for rid, (seen, allowed) in list(self.routers.items()):
+                if now - seen > allowed:
+                    del self.routers[rid]
+                    log.warning("router %s went silent; no longer counted", rid)
             for worker in list(self.workers.values()):
                 if now - worker.last_seen > worker.expires_after:
                     del self.workers[worker.id]

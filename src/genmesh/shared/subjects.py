@@ -50,3 +50,7 @@ class Subjects:
     @property
     def query(self) -> str:
         return f"{self.prefix}.discovery.query"
+
+    @property
+    def router_presence(self) -> str:
+        return f"{self.prefix}.discovery.router"

@@ -7,6 +7,7 @@ exactly one of them, and any of them can fail without losing the subject.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 
@@ -21,19 +22,27 @@ from genmesh.shared.bus import (
     STREAM_TERMINATOR,
     codec_headers,
     message_codec,
+    publish,
     unsubscribe_quietly,
 )
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
+from genmesh.shared.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
 
 class Router:
     def __init__(
-        self, nc: Client, subjects: Subjects, *, policy: str = "round_robin", router_id: str = ""
+        self,
+        nc: Client,
+        subjects: Subjects,
+        *,
+        policy: str = "round_robin",
+        router_id: str = "",
+        heartbeat_interval_s: float = 1.0,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -41,13 +50,19 @@ class Router:
         self.policy: Policy = make_policy(policy)
         self.directory = WorkerDirectory(nc, subjects)
         self.decisions: Counter[str] = Counter()
-        self._sub: Subscription | None = None
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._subs: list[Subscription] = []
+        self._tasks = TaskOwner(f"router {router_id}")
 
     async def start(self) -> None:
         await self.directory.start()
-        self._sub = await self.nc.subscribe(
-            self.subjects.router_generate, queue=ROUTER_QUEUE_GROUP, cb=self._on_request
-        )
+        self._subs = [
+            await self.nc.subscribe(
+                self.subjects.router_generate, queue=ROUTER_QUEUE_GROUP, cb=self._on_request
+            ),
+            await self.nc.subscribe(self.subjects.query, cb=self._on_query),
+        ]
+        self._presence = self._tasks.spawn(self._presence_loop(), name="presence")
         log.info(
             "router %s on %s (policy %s)",
             self.router_id,
@@ -56,8 +71,34 @@ class Router:
         )
 
     async def stop(self) -> None:
-        await unsubscribe_quietly(self._sub)
+        await self._tasks.close()
+        try:
+            await self._announce(leaving=True)
+        except Exception as exc:  # NATS may already be gone
+            log.debug("could not announce leave: %s", exc)
+        for sub in self._subs:
+            await unsubscribe_quietly(sub)
         await self.directory.close()
+
+    async def _announce(self, *, leaving: bool = False) -> None:
+        presence = {
+            "id": self.router_id,
+            "policy": self.policy.name,
+            "heartbeat_s": self.heartbeat_interval_s,
+            "leaving": leaving,
+        }
+        await publish(self.nc, self.subjects.router_presence, get_codec(None), presence)
+
+    async def _presence_loop(self) -> None:
+        while True:
+            try:
+                await self._announce()
+            except Exception as exc:
+                log.warning("router presence not announced: %s", exc)
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _on_query(self, msg: Msg) -> None:
+        await self._announce()
 
     def choose(self, envelope: Envelope) -> WorkerInfo:
         """The worker for `envelope`, or MeshError (no_worker, not_found, overloaded)."""
