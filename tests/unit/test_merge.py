@@ -174,13 +174,23 @@ def test_last_replaces_maps_without_rules_below_them_wholesale() -> None:
     assert fold(chunks, {"ids": Rule.DELTA}) == {"finish": {"type": "length"}}
 
 
-def test_prompt_keeps_the_first_value() -> None:
+def test_prompt_keeps_the_first_attempts_last_known_value() -> None:
+    # An engine may report a prompt property late (cached tokens); "not in this chunk"
+    # (null) never erases what is known.
     chunks = [{"p": 10}, {"p": 12}, {"p": None}]
-    assert fold(chunks, {"p": Rule.PROMPT}) == {"p": 10}
+    assert fold(chunks, {"p": Rule.PROMPT}) == {"p": 12}
 
 
-def test_prompt_keeps_first_value_even_if_null() -> None:
-    assert fold([{"p": None}, {"p": 3}], {"p": Rule.PROMPT}) == {"p": None}
+def test_prompt_null_until_known() -> None:
+    assert fold([{"p": None}, {"p": 3}], {"p": Rule.PROMPT}) == {"p": 3}
+    assert fold([{"p": None}], {"p": Rule.PROMPT}) == {"p": None}
+
+
+def test_prompt_ignores_later_attempts() -> None:
+    merger = Merger({"p": Rule.PROMPT})
+    merger.add({"p": 7}, 0)
+    merger.add({"p": 99}, 1)  # the replayed prompt of a migration
+    assert merger.result() == {"p": 7}
 
 
 # ---------------------------------------------------------------- attempt
@@ -246,7 +256,7 @@ def test_deeply_nested_rules() -> None:
         {"a": {"b": {"c": [1], "p": "first", "x": 1}, "y": 1}},
         {"a": {"b": {"c": [2], "p": "second"}, "z": 2}},
     ]
-    assert fold(chunks, rules) == {"a": {"b": {"c": [1, 2], "p": "first", "x": 1}, "y": 1, "z": 2}}
+    assert fold(chunks, rules) == {"a": {"b": {"c": [1, 2], "p": "second", "x": 1}, "y": 1, "z": 2}}
 
 
 def test_non_map_value_at_a_parent_path_is_replaced_by_a_map() -> None:

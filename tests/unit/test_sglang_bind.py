@@ -283,8 +283,8 @@ def test_deeply_nested_body_is_rejected() -> None:
         (body(logprob_start_len=-2), "logprob_start_len must be >= -1, got -2"),
         (body(top_logprobs_num=-1), "top_logprobs_num must be >= 0, got -1"),
         # routing
-        (body(routed_dp_rank=-1), "routed_dp_rank must be >= 0, got -1"),
-        (body(data_parallel_rank=-3), "routed_dp_rank must be >= 0, got -3"),
+        (body(routed_dp_rank=-1), "the data-parallel rank must be >= 0, got -1"),
+        (body(data_parallel_rank=-3), "the data-parallel rank must be >= 0, got -3"),
     ],
 )
 def test_value_errors_use_the_error_shape(raw: bytes, fragment: str) -> None:
@@ -605,7 +605,15 @@ def test_format_object_delegates() -> None:
     assert_legacy(info.value, "request body is not valid JSON")
     bound = fmt.bind(fmt.parse(body(rid="x")), {})
     assert bound.client_id == "x"
-    assert fmt.error_body(503, "not ready") == {"error": {"message": "not ready"}}
+    # 5xx answers take SGLang's HTTPException shape; the rest {"error": {"message"}}.
+    assert fmt.error_body(400, "bad") == {"error": {"message": "bad"}}
+    assert fmt.error_body(503, "not ready") == {
+        "object": "error",
+        "message": "not ready",
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
     exchange = fmt.exchange(bound, "pub", 0.0)
     assert isinstance(exchange, SglangExchange)
 
@@ -1129,6 +1137,9 @@ def test_finish_reason_shapes(
 ) -> None:
     assert native_finish_reason(finish, max_new) == expected
     record = render_one(end_frame(1, [9], finish), options(max_new=max_new))
+    if max_new is None and finish["reason"] == "length":
+        # Uncapped: the exchange reports the length the engine stopped at.
+        expected = {"type": "length", "length": 1}
     assert record["meta_info"]["finish_reason"] == expected
 
 
@@ -1226,7 +1237,15 @@ def test_input_logprobs_empty_until_they_arrive() -> None:
 def test_error_body() -> None:
     exchange = SglangExchange(options(), "pub", [[1]], time.monotonic())
     err = MeshError(ErrorCode.NO_WORKER, "no worker serves model m")
-    assert exchange.error(err, 503) == {"error": {"message": "no worker serves model m"}}
+    assert exchange.error(err, 503) == {
+        "object": "error",
+        "message": "no worker serves model m",
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
+    invalid = MeshError(ErrorCode.INVALID_ARGUMENT, "no such token")
+    assert exchange.error(invalid, 400) == {"error": {"message": "no such token"}}
 
 
 def test_bind_then_render_a_mock_like_stream() -> None:
@@ -1283,7 +1302,7 @@ def test_items_keep_their_own_state() -> None:
     assert [m["completion_tokens"] for m in metas] == [1, 2, 3, 3, 3]
     assert [m["prompt_tokens"] for m in metas] == [2, 1, 2, 1, 2]
     assert [m["cached_tokens"] for m in metas] == [0, 1, 0, 1, 0]
-    assert metas[3]["finish_reason"] == {"type": "length", "length": None}
+    assert metas[3]["finish_reason"] == {"type": "length", "length": 3}  # uncapped: generated
     assert metas[4]["finish_reason"] == {"type": "length", "length": 4}
     # logprobs only for the item that asked, from its own prompt
     assert metas[0]["input_token_logprobs"] == [[None, 2, None]]

@@ -455,7 +455,7 @@ def test_bad_top_level_fields(fields: dict[str, Any], fragment: str, param: str)
         ({"priority": 2**64}, "priority"),
         (
             {"sampling_params": {"extra_args": {"a": [1, -(2**63) - 1]}}},
-            "sampling_params.extra_args.a.1",
+            "sampling_params.extra_args.a[1]",
         ),
         ({"kv_transfer_params": {"remote_port": 10**30}}, "kv_transfer_params.remote_port"),
     ],

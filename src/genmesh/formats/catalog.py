@@ -85,9 +85,12 @@ def check_routes(formats: list[GenerateFormat]) -> None:
             owner[route] = fmt.name
 
 
+def _path_variable(name: str) -> str:
+    return f"GENMESH_{name.upper().replace('-', '_')}_PATH"
+
+
 def _path_override(name: str, env: Mapping[str, str]) -> str | None:
-    value = env.get(f"GENMESH_{name.upper().replace('-', '_')}_PATH")
-    return value or None
+    return env.get(_path_variable(name)) or None
 
 
 def _routes(cls: type[GenerateFormat], path: str | None) -> tuple[Route, ...]:
@@ -137,11 +140,11 @@ def load_generate_formats(
         other_routes = _routes(other, path)
         if path is None and any(r.path == GENERATE_PATH for r in other_routes):
             log.info(
-                "format %r not served: %s belongs to %r (set GENMESH_%s_PATH to serve it)",
+                "format %r not served: %s belongs to %r (set %s to serve it)",
                 name,
                 GENERATE_PATH,
                 generate_format,
-                name.upper(),
+                _path_variable(name),
             )
             continue
         formats.append(other(other_routes))

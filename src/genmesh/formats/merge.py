@@ -7,8 +7,8 @@ Each response field has a rule, named by its dotted path (`meta_info.completion_
   decode-concatenate-encode).
 - `attempt`: a running total within one worker attempt; after a migration the earlier
   attempts' final values are added.
-- `prompt`: a property of the original prompt; the first attempt's value stands (later
-  attempts see a prompt that includes replayed output).
+- `prompt`: a property of the original prompt; the first attempt's last non-null value
+  stands (later attempts see a prompt that includes replayed output).
 - `last`: the last value wins (finish reasons, IDs, latencies). The default.
 
 Maps are merged key by key, recursively; the key order is the order of first appearance.
@@ -57,6 +57,8 @@ class Merger:
         # Values kept aside until result(): placeholders hold their place in the key order.
         self._pieces: dict[str, list[Any]] = {}
         self._attempts: dict[str, dict[int, Any]] = {}
+        # For `prompt` fields: the attempt whose values stand (the first seen).
+        self._prompt_attempt: dict[str, int] = {}
 
     def add(self, chunk: Mapping[str, Any], attempt: int = 0) -> None:
         self._merge(self._body, chunk, "", attempt)
@@ -81,7 +83,10 @@ class Merger:
                 self._attempts.setdefault(path, {})[attempt] = value
                 acc.setdefault(key, None)
             elif rule is Rule.PROMPT:
-                if key not in acc:
+                # The first attempt's last value: an engine may report it late in that
+                # attempt, while later attempts describe a prompt with replayed output.
+                first_attempt = self._prompt_attempt.setdefault(path, attempt) == attempt
+                if first_attempt and (value is not None or key not in acc):
                     acc[key] = value
             else:
                 acc[key] = value

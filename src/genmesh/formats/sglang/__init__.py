@@ -32,4 +32,4 @@ class SglangFormat(GenerateFormat):
         return SglangExchange(bound.options, public_id, prompts, received_at)
 
     def error_body(self, status: int, message: str) -> Any:
-        return request.error(message)
+        return request.error(message, status)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
+from genmesh.formats.checks import oversized_int
 from genmesh.shared.envelope import (
     MAX_TOKEN_ID,
     Envelope,
@@ -98,7 +99,11 @@ def legacy_error(message: str, status: int = 400) -> dict[str, Any]:
     }
 
 
-def error(message: str) -> dict[str, Any]:
+def error(message: str, status: int = 400) -> dict[str, Any]:
+    """SGLang's error body: `{"error": {"message"}}`, except for the 5xx answers SGLang
+    raises as HTTPExceptions (queue full, engine failures), which get the legacy shape."""
+    if status >= 500:
+        return legacy_error(message, status) | {"type": str(status)}
     return {"error": {"message": message}}
 
 
@@ -241,11 +246,12 @@ def _sampling(sp: Mapping[str, Any]) -> Sampling:
     repetition = _opt_number(sp, "repetition_penalty")
     if repetition is not None and not 0 < repetition <= 2:
         raise _value_error(f"repetition_penalty must be in (0, 2], got {repetition}.")
-    if sp.get("stop") not in (None, [], ""):
-        raise _value_error(
-            "sampling_params.stop: stop strings need a tokenizer and this server has none; "
-            "use stop_token_ids"
-        )
+    for key in ("stop", "stop_regex"):
+        if sp.get(key) not in (None, [], ""):
+            raise _value_error(
+                f"sampling_params.{key}: stop strings need a tokenizer and this server has "
+                "none; use stop_token_ids"
+            )
     if sum(sp.get(key) is not None for key in ("json_schema", "regex", "ebnf")) > 1:
         raise _value_error("Only one of regex, json_schema, or ebnf can be set.")
     stop_ids = sp.get("stop_token_ids")
@@ -274,7 +280,7 @@ def _routing(body: Mapping[str, Any], cache_salt: Any) -> Routing:
     if dp_rank is None:
         dp_rank = _opt_int(body, "data_parallel_rank", "")
     if dp_rank is not None and dp_rank < 0:
-        raise _value_error(f"routed_dp_rank must be >= 0, got {dp_rank}")
+        raise _value_error(f"the data-parallel rank must be >= 0, got {dp_rank}")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise _type_error("extra_key: Input should be a valid string")
     return Routing(dp_rank=dp_rank, priority=_opt_int(body, "priority", ""), cache_salt=cache_salt)
@@ -400,6 +406,9 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
 
     prompts, batch = _input_ids(body)
     count = len(prompts)
+    oversized = oversized_int(body)
+    if oversized is not None:
+        raise _value_error(f"{oversized[0]}: integer {oversized[1]} does not fit in 64 bits")
     per_prompt = {key: _per_item(body, key, count, batch) for key in _PER_PROMPT if key in body}
     sps = per_prompt.get("sampling_params", [None] * count)
     for sp in sps:

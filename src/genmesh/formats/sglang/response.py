@@ -122,7 +122,8 @@ class SglangExchange(Exchange):
             "id": item.public_id,
             "finish_reason": None
             if finish is None
-            else native_finish_reason(finish, opts.max_new_tokens),
+            # Uncapped (null max_new_tokens): the engine's own limit is what was generated.
+            else native_finish_reason(finish, opts.max_new_tokens or item.completion_tokens),
             "prompt_tokens": opts.prompt_tokens,
             "completion_tokens": item.completion_tokens,
             "cached_tokens": item.cached_tokens,
@@ -138,6 +139,12 @@ class SglangExchange(Exchange):
             rows = frame.get("routed_experts") or []
             flat = [expert for row in rows for expert in row]
             meta["routed_experts"] = base64.b64encode(pack_int32(flat)).decode()
+        extras = (frame.get("engine") or {}).get("meta_info")
+        if isinstance(extras, dict):
+            # What a real SGLang engine adds (weight_version, spec stats, ...) passes
+            # through; the fields above are the mesh's and are never overridden.
+            for key, value in extras.items():
+                meta.setdefault(key, value)
         if finish is not None:
             meta["e2e_latency"] = round(time.monotonic() - self.received_at, 6)
         return {"output_ids": tokens, "meta_info": meta}
@@ -161,4 +168,4 @@ class SglangExchange(Exchange):
         return items if self.multi else items[0]
 
     def error(self, err: MeshError, status: int) -> Any:
-        return error(err.message)
+        return error(err.message, status)

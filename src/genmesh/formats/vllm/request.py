@@ -40,6 +40,7 @@ from http import HTTPStatus
 from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
+from genmesh.formats.checks import oversized_int
 from genmesh.shared.envelope import (
     MAX_TOKEN_ID,
     Envelope,
@@ -572,16 +573,10 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
 
 
 def _check_wire_ints(value: Any) -> None:
-    """Refuse integers the bus cannot carry (msgpack: 64 bits) anywhere in the payload."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((f"{path}.{i}", v) for i, v in enumerate(node))
-        elif _is_int(node) and not _INT64_MIN <= node <= _UINT64_MAX:
-            raise _reject(f"{path}: integer {node} does not fit in 64 bits", path)
+    found = oversized_int(value)
+    if found is not None:
+        path, number = found
+        raise _reject(f"{path}: integer {number} does not fit in 64 bits", path)
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
