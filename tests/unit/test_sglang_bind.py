@@ -441,10 +441,12 @@ def test_sampling_projection() -> None:
         top_k=40,
         min_p=0.05,
         seed=1234,
-        stop_token_ids=[2, 151645],
+        stop_token_ids=[],  # SGLang's ignore_eos silences stop token ids too
         ignore_eos=True,
     )
     assert isinstance(env.sampling.temperature, float)
+    without = single(ok(sp(stop_token_ids=[2, 151645])))
+    assert without.sampling.stop_token_ids == [2, 151645]
 
 
 def test_top_k_minus_one_is_none() -> None:

@@ -623,7 +623,11 @@ def test_output_logprobs_have_integer_ids_and_ranks() -> None:
 
 def test_logprobs_zero_is_the_sampled_token_only() -> None:
     content = unary(sp(max_tokens=3, ignore_eos=True, logprobs=0))["choices"][0]["logprobs"]
-    assert [e["top_logprobs"] for e in content["content"]] == [[], [], []]
+    # vLLM lists max(k, 1) entries: with k = 0, just the sampled token.
+    for entry in content["content"]:
+        assert entry["top_logprobs"] == [
+            {"token_id": entry["token_id"], "logprob": entry["logprob"], "rank": entry["rank"]}
+        ]
     assert all(isinstance(e["logprob"], float) for e in content["content"])
 
 
@@ -641,7 +645,8 @@ def test_sampled_token_comes_first_in_top_logprobs() -> None:
     ]
     # The greedy token: exactly the top k.
     assert [e["token_id"] for e in top_entries(10, -0.1, 1, top, 3)] == [10, 11, 12]
-    assert top_entries(10, -0.1, 1, top, 0) == []
+    # logprobs=0: vLLM still lists the sampled token (max(k, 1) entries).
+    assert top_entries(10, -0.1, 1, top, 0) == [{"token_id": 10, "logprob": -0.1, "rank": 1}]
 
 
 def test_logprobs_are_clamped_like_vllm() -> None:
@@ -704,7 +709,7 @@ def test_one_token_prompt_gives_one_null_entry() -> None:
 def test_each_list_is_trimmed_to_its_own_k(k_out: int, k_prompt: int) -> None:
     body = unary(sp(max_tokens=3, ignore_eos=True, logprobs=k_out, prompt_logprobs=k_prompt))
     for entry in body["choices"][0]["logprobs"]["content"]:
-        assert len(entry["top_logprobs"]) == k_out
+        assert len(entry["top_logprobs"]) == max(k_out, 1)  # the sampled token at least
     for entry in body["prompt_logprobs"][1:]:
         alternatives = [v for v in entry.values() if v["rank"] <= k_prompt]
         assert len(entry) in (k_prompt, k_prompt + 1)

@@ -262,6 +262,7 @@ def _sampling(sp: Mapping[str, Any]) -> Sampling:
     ):
         raise _type_error("sampling_params.stop_token_ids: Input should be a list of token ids")
     seed = _opt_int(sp, "sampling_seed", "sampling_params.")
+    ignore_eos = _opt_bool(sp, "ignore_eos", "sampling_params.")
     return Sampling(
         max_tokens=max_new,
         min_tokens=min_new,
@@ -270,8 +271,10 @@ def _sampling(sp: Mapping[str, Any]) -> Sampling:
         top_k=None if top_k == -1 else top_k,
         min_p=min_p,
         seed=seed,
-        stop_token_ids=stop_ids,
-        ignore_eos=_opt_bool(sp, "ignore_eos", "sampling_params."),
+        # SGLang's Req.check_finished skips stop token ids as well as EOS under
+        # ignore_eos; canonical stop_token_ids are honoured by every engine, so say so here.
+        stop_token_ids=[] if ignore_eos else stop_ids,
+        ignore_eos=ignore_eos,
     )
 
 

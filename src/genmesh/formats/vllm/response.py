@@ -79,10 +79,10 @@ def finish_reason(finish: dict[str, Any] | None) -> tuple[str | None, int | str 
 def top_entries(
     token: int, logprob: float | None, rank: int | None, top: TopList | None, k: int
 ) -> list[dict[str, Any]]:
-    """The first k entries of vLLM's logprob map at one position: the token itself,
-    then the engine's best alternatives (rank = place in the engine's list)."""
-    if k <= 0:
-        return []
+    """The first max(k, 1) entries of vLLM's logprob map at one position: the token
+    itself, then the engine's best alternatives (rank = place in the engine's list).
+    vLLM always lists the sampled token, so logprobs=0 still gives one entry."""
+    k = max(k, 1)
     entries: list[dict[str, Any]] = []
     if logprob is not None:
         entries.append({"token_id": token, "logprob": clamp(logprob), "rank": rank})
