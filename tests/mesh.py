@@ -137,10 +137,14 @@ class Mesh:
         eos_token_id: int | None = None,
         max_concurrency: int | None = None,
         heartbeat: float | None = None,
+        engine: str = "mock",
+        engine_url: str | None = None,
         wait: bool = True,
     ) -> Service:
         wid = worker_id or new_worker_id()
-        args = ["--worker-id", wid, "--mock-speedup", str(speedup)]
+        args = ["--worker-id", wid, "--mock-speedup", str(speedup), "--engine", engine]
+        if engine_url is not None:
+            args += ["--engine-url", engine_url]
         if vocab_size is not None:
             args += ["--mock-vocab-size", str(vocab_size)]
         if eos_token_id is not None:
@@ -191,11 +195,40 @@ class Mesh:
     def workers(self) -> list[Service]:
         return [s for s in self.services if s.role == "worker" and s.alive]
 
+    def spawn_engine_server(self, engine: str, *extra: str) -> tuple[Service, str]:
+        """A mock SGLang/vLLM server process (`genmesh testkit`); returns it and its URL."""
+        port = free_port()
+        log_path = self.workdir / f"{engine}-server.log"
+        args = [sys.executable, "-m", "genmesh", "testkit", engine, "--port", str(port), *extra]
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        service = Service("engine", f"{engine}-server", args, log_path, process)
+        self.services.append(service)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(
+            lambda: self._url_ok(url + "/health") or not service.alive,
+            timeout=20,
+            what=f"the mock {engine} server",
+        )
+        if not service.alive:
+            raise RuntimeError(f"mock {engine} server died:\n{service.log()}")
+        return service, url
+
+    @staticmethod
+    def _url_ok(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
     def logs(self) -> str:
         return "\n".join(f"===== {s.name} =====\n{s.log()[-6000:]}" for s in self.services)
 
     def stop(self) -> None:
-        for role in ("frontend", "router", "worker"):
+        for role in ("frontend", "router", "worker", "engine"):
             for service in self.services:
                 if service.role == role:
                     service.terminate()

@@ -110,8 +110,26 @@ def _mock_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _worker_options(parser: argparse.ArgumentParser) -> None:
-    option(parser, "--engine", default="mock", choices=["mock"], help="engine adapter")
+def _worker_options(parser: argparse.ArgumentParser, *, many_urls: bool = False) -> None:
+    option(
+        parser,
+        "--engine",
+        default="mock",
+        choices=["mock", "sglang", "vllm"],
+        help="engine adapter: the in-process mock, or a client of a real SGLang/vLLM server",
+    )
+    if many_urls:
+        env = os.environ.get("GENMESH_ENGINE_URL", "")
+        parser.add_argument(
+            "--engine-url",
+            action="append",
+            default=None,
+            help="HTTP address of an SGLang/vLLM server; repeat for several, one worker each "
+            "[env GENMESH_ENGINE_URL, comma-separated]",
+        )
+        parser.set_defaults(engine_url_env=[u for u in env.split(",") if u])
+    else:
+        option(parser, "--engine-url", default=None, help="HTTP address of the SGLang/vLLM server")
     option(
         parser,
         "--max-concurrency",
@@ -159,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["round_robin", "random", "least_loaded"],
         help="how routers pick a worker",
     )
-    _worker_options(up)
+    _worker_options(up, many_urls=True)
 
     frontend = sub.add_parser("frontend", help="run the HTTP frontend", formatter_class=_Formatter)
     _common(frontend)
@@ -223,6 +241,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     option(nats_cmd, "--host", default="127.0.0.1", help="listen address")
     option(nats_cmd, "--nats-port", type=int, default=4222, help="client port (-1 = any free port)")
+
+    testkit = sub.add_parser(
+        "testkit",
+        help="run a mock SGLang or vLLM server (no GPU), for tests and demos",
+        description=(
+            "Run a mock engine server that speaks SGLang's /generate or vLLM's "
+            "/inference/v1/generate with deterministic tokens, and takes injected faults "
+            "through /testkit/ admin routes (see genmesh.testkit.common)."
+        ),
+        formatter_class=_Formatter,
+    )
+    testkit.add_argument("engine", choices=["sglang", "vllm"], help="which engine to mock")
+    option(testkit, "--host", default="127.0.0.1", help="listen address")
+    option(testkit, "--port", type=int, default=30000, help="HTTP port")
+    option(testkit, "--model", default="genmesh-mock", help="served model name")
+    option(testkit, "--vocab-size", type=_positive_int, default=151_936, help="vocabulary")
+    option(testkit, "--eos-token-id", type=int, default=151_645, help="EOS token id")
+    option(testkit, "--max-model-len", type=_positive_int, default=32_768, help="context length")
+    option(testkit, "--token-delay-ms", type=_non_negative_float, default=0.0, help="per token")
+    flag(testkit, "--incremental", help="SGLang: incremental (delta) streaming output")
+    flag(testkit, "--no-tokens-only", help="vLLM: without --tokens-only (no /abort_requests)")
+    option(
+        testkit,
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
 
     req = sub.add_parser(
         "request",

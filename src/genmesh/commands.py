@@ -79,11 +79,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not is_subject_token(worker_id):
         return _fail(f"--worker-id {worker_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
     configure_logging(args.log_level, f"worker[{worker_id}]")
-    try:
-        mock = mock_config(args)
-        from genmesh.services.worker.engines.mock import MockEngine
+    from genmesh.services.worker.engines import create_engine
 
-        MockEngine(mock)  # validates the settings before connecting
+    try:  # the settings are checked before connecting to anything
+        engine = create_engine(args.engine, url=args.engine_url, mock=mock_config(args))
     except ValueError as exc:
         return _fail(str(exc))
     config = WorkerConfig(
@@ -91,7 +90,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         heartbeat_interval_s=args.heartbeat_interval,
     )
-    return _run_service(serve_worker(args.nats_url, args.namespace, args.engine, config, mock))
+    return _run_service(serve_worker(args.nats_url, args.namespace, engine, config))
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
@@ -114,6 +113,36 @@ async def _nats(args: argparse.Namespace) -> int:
         finally:
             await asyncio.to_thread(server.stop)
     return 0
+
+
+def cmd_testkit(args: argparse.Namespace) -> int:
+    from genmesh.services.run import configure_logging
+    from genmesh.testkit.common import MockServerConfig
+
+    configure_logging(args.log_level, f"testkit[{args.engine}]")
+    config = MockServerConfig(
+        model=args.model,
+        vocab_size=args.vocab_size,
+        eos_token_id=args.eos_token_id,
+        max_model_len=args.max_model_len,
+        token_delay_ms=args.token_delay_ms,
+        incremental=args.incremental,
+        tokens_only=not args.no_tokens_only,
+    )
+    return _run_service(_testkit(args.engine, config, args.host, args.port))
+
+
+async def _testkit(engine: str, config: Any, host: str, port: int) -> None:
+    from genmesh.services.run import stop_signals
+    from genmesh.testkit import serving
+
+    if engine == "sglang":
+        from genmesh.testkit.sglang_server import build_app
+    else:
+        from genmesh.testkit.vllm_server import build_app
+    async with stop_signals() as stop, serving(build_app(config), host, port) as url:
+        print(f"mock {engine} server listening on {url}", flush=True)
+        await stop.wait()
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -48,19 +48,21 @@ async def _probe_nats(url: str) -> None:
     await nc.close()
 
 
-async def _wait_ready(url: str, children: list[Child]) -> bool:
+async def _wait_ready(url: str, children: list[Child]) -> str | None:
+    """None once the frontend's /health is 200; else why not (after READY_TIMEOUT_S)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
+    reason = "the frontend never answered"
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            dead = [c for c in children if c.role == "frontend" and not c.running]
-            if dead:
-                return False
+            if any(c.role == "frontend" and not c.running for c in children):
+                return "the frontend exited"
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with session.get(f"{url}/health") as resp:
                     if resp.status == 200:
-                        return True
+                        return None
+                    reason = await resp.text()
             await asyncio.sleep(0.1)
-    return False
+    return reason
 
 
 async def _stop(children: list[Child]) -> None:
@@ -103,7 +105,24 @@ async def _watch(children: list[Child], stop: asyncio.Event) -> bool:
             fut.cancel()
 
 
+def _worker_plans(args: argparse.Namespace) -> list[list[str]]:
+    """The engine arguments of each worker: --workers mocks, or one worker per engine URL."""
+    urls = args.engine_url or args.engine_url_env
+    if args.engine == "mock":
+        if urls:
+            raise ValueError("--engine-url needs --engine sglang or --engine vllm")
+        return [[] for _ in range(args.workers)]
+    if not urls:
+        raise ValueError(f"--engine {args.engine} needs --engine-url (repeat it for several)")
+    return [["--engine-url", url] for url in urls]
+
+
 async def _up(args: argparse.Namespace) -> int:
+    try:
+        plans = _worker_plans(args)
+    except ValueError as exc:
+        _say(str(exc))
+        return 2
     server: NatsServer | None = None
     if args.nats_url:
         url = args.nats_url
@@ -142,10 +161,12 @@ async def _up(args: argparse.Namespace) -> int:
                     "router", f"router {i + 1}", [*common, "--router-policy", args.router_policy]
                 )
             )
-        for _ in range(args.workers):
+        for plan in plans:
             wid = new_worker_id()
             children.append(
-                await _spawn("worker", f"worker {wid}", [*common, "--worker-id", wid, *worker_args])
+                await _spawn(
+                    "worker", f"worker {wid}", [*common, "--worker-id", wid, *worker_args, *plan]
+                )
             )
         children.append(
             await _spawn(
@@ -160,8 +181,9 @@ async def _up(args: argparse.Namespace) -> int:
         if stop.is_set():
             ready.cancel()
             return 0
-        if not ready.result():
-            _say("the frontend did not become healthy; stopping")
+        not_ready = ready.result()
+        if not_ready:
+            _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({not_ready}); stopping")
             return 1
         _print_summary(url, server, children, http_url, args)
         return 1 if await _watch(children, stop) else 0

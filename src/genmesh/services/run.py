@@ -18,7 +18,7 @@ from genmesh.formats.catalog import load_generate_formats
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.state import FrontendState, MeshBackend
 from genmesh.services.router.service import Router
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.services.worker.engines.base import Engine
 from genmesh.services.worker.service import Worker, WorkerConfig
 from genmesh.shared.bus import connect
 from genmesh.shared.discovery import WorkerDirectory
@@ -133,12 +133,7 @@ async def serve_router(nats_url: str, namespace: str, policy: str) -> None:
             await nc.drain()
 
 
-async def serve_worker(
-    nats_url: str, namespace: str, engine_name: str, worker: WorkerConfig, mock: MockConfig
-) -> None:
-    if engine_name != "mock":
-        raise ValueError(f"unknown engine {engine_name!r}; available: mock")
-    engine = MockEngine(mock)
+async def serve_worker(nats_url: str, namespace: str, engine: Engine, worker: WorkerConfig) -> None:
     nc = await connect(
         nats_url, name=f"genmesh-worker-{worker.worker_id}", inbox_prefix="_INBOX_worker"
     )

@@ -6,6 +6,7 @@ in-process frontend. Either way a request produces the same frames.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator
 
@@ -57,10 +58,13 @@ async def execute(engine: Engine, envelope: Envelope) -> AsyncGenerator[frames.F
     """
     rid = envelope.id
     try:
-        async for out in engine.generate(envelope):
-            yield output_frame(rid, out)
-            if out.finish is not None:
-                return
+        # aclosing: a cancel that lands while we wait on the consumer still closes the
+        # engine's generator at once, so an HTTP engine aborts its request now, not at GC.
+        async with contextlib.aclosing(engine.generate(envelope)) as outputs:
+            async for out in outputs:
+                yield output_frame(rid, out)
+                if out.finish is not None:
+                    return
         error = MeshError(ErrorCode.INTERNAL, "engine ended without a finish reason")
     except MeshError as exc:
         error = exc

@@ -51,6 +51,8 @@ class WorkerConfig:
     max_concurrency: int = 256
     heartbeat_interval_s: float = 1.0
     keepalive_interval_s: float = 5.0
+    # How often the engine's health is checked (twice as often while it is down).
+    health_interval_s: float = 1.0
 
 
 @dataclass(slots=True)
@@ -83,6 +85,8 @@ class Worker:
         self._announcer: asyncio.Task[None] | None = None
         self._started = time.time()
         self._stopping = False
+        # Announced only while the engine is healthy: a worker without an engine is no worker.
+        self._engine_up = False
         self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
 
     @property
@@ -97,6 +101,9 @@ class Worker:
 
     async def start(self) -> None:
         await self.engine.start()
+        self._engine_up = await self._engine_healthy()
+        if not self._engine_up:
+            log.warning("worker %s: waiting for its %s engine", self.worker_id, self.engine.name)
         self._subs = [
             await self.nc.subscribe(self.subject, cb=self._on_generate),
             await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
@@ -104,6 +111,7 @@ class Worker:
         ]
         self._announcer = self._tasks.spawn(self._announce_loop(), name="announce")
         self._tasks.spawn(self._keepalive_loop(), name="keepalive")
+        self._tasks.spawn(self._health_loop(), name="engine health")
         log.info("worker %s serving %s on %s", self.worker_id, self.engine.name, self.subject)
 
     async def stop(self) -> None:
@@ -115,10 +123,7 @@ class Worker:
             # No heartbeat may follow the leave, or routers would take us back.
             self._announcer.cancel()
             await asyncio.gather(self._announcer, return_exceptions=True)
-        try:
-            await publish(self.nc, self.subjects.leave, get_codec(None), {"id": self.worker_id})
-        except Exception as exc:  # NATS may already be gone
-            log.debug("could not announce leave: %s", exc)
+        await self._leave()
         for sub in self._subs:
             await unsubscribe_quietly(sub)
         shutdown = MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
@@ -151,7 +156,37 @@ class Worker:
         return card
 
     async def _announce(self) -> None:
-        await publish(self.nc, self.subjects.announce, get_codec(None), self.card())
+        if self._engine_up:
+            await publish(self.nc, self.subjects.announce, get_codec(None), self.card())
+
+    async def _engine_healthy(self) -> bool:
+        try:
+            return await self.engine.healthy()
+        except Exception as exc:
+            log.warning("engine health check failed: %s", exc)
+            return False
+
+    async def _health_loop(self) -> None:
+        """Join discovery when the engine is healthy, leave it while it is not."""
+        while True:
+            interval = self.config.health_interval_s
+            await asyncio.sleep(interval if self._engine_up else interval / 2)
+            up = await self._engine_healthy()
+            if up == self._engine_up or self._stopping:
+                continue
+            self._engine_up = up
+            if up:
+                log.info("worker %s: engine is up; joining", self.worker_id)
+                self._load_changed.set()
+            else:
+                log.warning("worker %s: engine is down; leaving discovery", self.worker_id)
+                await self._leave()
+
+    async def _leave(self) -> None:
+        try:
+            await publish(self.nc, self.subjects.leave, get_codec(None), {"id": self.worker_id})
+        except Exception as exc:  # NATS may already be gone
+            log.debug("could not announce leave: %s", exc)
 
     async def _announce_loop(self) -> None:
         while True:
@@ -197,6 +232,11 @@ class Worker:
         rid = envelope.id
         if self._stopping:
             await self._reject(reply, codec, rid, ErrorCode.UNAVAILABLE, "worker is shutting down")
+            return
+        if not self._engine_up:
+            await self._reject(
+                reply, codec, rid, ErrorCode.UNAVAILABLE, f"the {self.engine.name} engine is down"
+            )
             return
         if rid in self._tombstones:
             await self._reject(reply, codec, rid, ErrorCode.CANCELLED, "request was cancelled")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,4 +55,8 @@ class Engine(Protocol):
         """Facts for the worker card: at least `model`; `formats` it can serve."""
         ...
 
-    def generate(self, envelope: Envelope) -> AsyncIterator[EngineOutput]: ...
+    async def healthy(self) -> bool:
+        """Whether the engine can serve now; the worker leaves discovery while it cannot."""
+        ...
+
+    def generate(self, envelope: Envelope) -> AsyncGenerator[EngineOutput, None]: ...

@@ -13,7 +13,7 @@ by a speed-up factor; speed-up 0 means an instant engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,9 @@ class MockEngine:
     async def close(self) -> None:
         return None
 
+    async def healthy(self) -> bool:
+        return True
+
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {
@@ -219,7 +222,7 @@ class MockEngine:
             # Instant, but still a scheduling point: cancellation lands between tokens.
             await asyncio.sleep(0)
 
-    async def generate(self, env: Envelope) -> AsyncIterator[EngineOutput]:
+    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         budget = self._check(env)
         model = self.model
         prompt = env.token_ids

@@ -1,0 +1,108 @@
+"""What the HTTP engine adapters (SGLang, vLLM) share: the session, SSE reading, errors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from genmesh.shared.errors import ErrorCode, MeshError
+
+log = logging.getLogger(__name__)
+
+INCOMPLETE = "stream_incomplete"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpEngineConfig:
+    url: str
+    # Seconds to establish a connection; beyond it the engine counts as unreachable.
+    connect_timeout_s: float = 5.0
+    # Seconds of silence on an open stream (long prefills included) before giving up.
+    read_timeout_s: float = 600.0
+    # Seconds an abort call may take; aborts are best effort.
+    abort_timeout_s: float = 2.0
+    health_timeout_s: float = 2.0
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/")
+
+
+def new_session(config: HttpEngineConfig) -> aiohttp.ClientSession:
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+    )
+    # No pool limit: every in-flight request holds one streaming connection.
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+
+def unavailable(message: str, **detail: Any) -> MeshError:
+    """A failure of the engine or the way to it: another worker may well succeed."""
+    return MeshError(ErrorCode.UNAVAILABLE, message, detail=detail or None)
+
+
+def incomplete(message: str) -> MeshError:
+    return unavailable(message, reason=INCOMPLETE)
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    """Decoded `data:` payloads of an SSE response, `"[DONE]"` kept as the string."""
+    data: list[bytes] = []
+    async for raw in response.content:
+        line = raw.rstrip(b"\r\n")
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip(b" "))
+        elif not line and data:
+            payload = b"\n".join(data)
+            data = []
+            if payload == b"[DONE]":
+                yield "[DONE]"
+                continue
+            try:
+                yield orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
+    if data:  # a last event without its blank line
+        payload = b"\n".join(data)
+        yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
+
+
+def error_message(body: bytes) -> tuple[str, str | None]:
+    """The message (and type) of an engine's error body, whatever its shape."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace").strip()[:500] or "no message", None
+    if isinstance(obj, dict):
+        inner = obj.get("error")
+        if isinstance(inner, dict):
+            return str(inner.get("message", "")), _str_or_none(inner.get("type"))
+        if isinstance(inner, str):
+            return inner, None
+        if "message" in obj:
+            return str(obj["message"]), _str_or_none(obj.get("type"))
+        if "detail" in obj:
+            return str(obj["detail"]), None
+    return str(obj)[:500], None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+async def http_error(response: aiohttp.ClientResponse, engine: str) -> MeshError:
+    """An engine's non-2xx answer: 4xx = the request is wrong, anything else = try elsewhere."""
+    message, err_type = error_message(await response.read())
+    status = response.status
+    if 400 <= status < 500 and status not in (401, 403, 408, 429):
+        return MeshError(
+            ErrorCode.INVALID_ARGUMENT,
+            message,
+            detail={"status_code": status, "err_type": err_type},
+        )
+    return unavailable(f"{engine} answered HTTP {status}: {message}", status_code=status)

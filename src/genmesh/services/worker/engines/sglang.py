@@ -1,0 +1,346 @@
+"""The `sglang` engine adapter: a client of a real SGLang server's native HTTP API.
+
+Every dispatch goes to `POST /generate` as a stream, under its own private rid: 32 hex
+digits, so no rid is a prefix of another (SGLang's `/abort_request` aborts every request
+whose rid *starts with* the one given). Cancelling the generator aborts that rid.
+
+SGLang streams either cumulative chunks (its default) or deltas
+(`--incremental-streaming-output`); a cursor of delivered tokens reads both, and the mode
+the server reports in `/get_server_info` decides how list fields are sliced.
+
+Errors, as the seed PR describes them: an HTTP 4xx is the request's fault
+(`invalid_argument`, with the engine's message, `status_code` and `err_type`); 5xx,
+connection failures and timeouts are `unavailable` (retryable); a terminal abort before
+any token (prefill) is an error (`invalid_argument` with a 4xx `status_code`, else
+`internal`), while on decode a plain abort with no `status_code` and no `err_type` is a
+cancellation (finish reason `abort`); a stream that ends before its terminal chunk is
+`unavailable` with reason `stream_incomplete`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import secrets
+import struct
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import aiohttp
+
+from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
+from genmesh.services.worker.engines.http import (
+    HttpEngineConfig,
+    http_error,
+    incomplete,
+    new_session,
+    sse_events,
+    unavailable,
+)
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode, MeshError
+
+log = logging.getLogger(__name__)
+
+# meta_info keys the adapter turns into frame fields; the rest travel as engine extras.
+_MAPPED_META = frozenset(
+    (
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "e2e_latency",
+        "input_token_logprobs",
+        "input_top_logprobs",
+        "output_token_logprobs",
+        "output_top_logprobs",
+        "output_token_logprobs_length",
+        "routed_experts",
+    )
+)
+# Fields of an SGLang-format request the adapter sets itself.
+_OWNED = ("input_ids", "rid", "stream", "text")
+
+
+def new_dispatch_rid() -> str:
+    return secrets.token_hex(16)
+
+
+def sglang_body(env: Envelope, rid: str) -> dict[str, Any]:
+    """The native request for one dispatch: the client's own fields if it spoke SGLang,
+    then everything the envelope decides (budget, logprobs, ...), which wins."""
+    body = (
+        {k: v for k, v in env.engine.items() if k not in _OWNED} if env.format == "sglang" else {}
+    )
+    sp = dict(body.get("sampling_params") or {})
+    s = env.sampling
+    sp["max_new_tokens"] = s.max_tokens
+    sp["min_new_tokens"] = s.min_tokens
+    sp["ignore_eos"] = s.ignore_eos
+    sp["stop_token_ids"] = list(s.stop_token_ids)
+    sp.pop("n", None)
+    for key, value in (
+        ("temperature", s.temperature),
+        ("top_p", s.top_p),
+        ("top_k", s.top_k),
+        ("min_p", s.min_p),
+        ("sampling_seed", s.seed),
+    ):
+        if value is not None:
+            sp[key] = value
+    body["sampling_params"] = sp
+    out = env.output
+    body["return_logprob"] = out.logprobs or out.prompt_logprobs_start is not None
+    if body["return_logprob"]:
+        body["logprob_start_len"] = (
+            len(env.token_ids) - 1
+            if out.prompt_logprobs_start is None
+            else out.prompt_logprobs_start
+        )
+        body["top_logprobs_num"] = out.top_logprobs
+    if out.routed_experts_start is not None:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = out.routed_experts_start
+    else:
+        body.pop("return_routed_experts", None)
+    if env.routing.dp_rank is not None:
+        body["routed_dp_rank"] = env.routing.dp_rank
+    body["input_ids"] = env.token_ids
+    body["rid"] = rid
+    body["stream"] = True
+    return body
+
+
+def _int32(text: Any) -> list[int]:
+    raw = base64.b64decode(text)
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw))
+
+
+def _tops(rows: Any) -> list[TopLogprobs | None]:
+    return [None if row is None else [(t[1], t[0]) for t in row] for row in rows]
+
+
+class _Cursor:
+    """Turns SGLang chunks, cumulative or incremental, into deltas.
+
+    A cumulative list holds the whole sequence (its length is the running total), an
+    incremental one only what is new; the two agree on the first chunk, and after that
+    the lengths tell them apart, so the cursor works even when the server's mode is
+    unknown. The mode, once known, also decides routed experts (counted in ints, not
+    tokens, so they cannot tell by themselves).
+    """
+
+    def __init__(self, incremental: bool | None) -> None:
+        self.incremental = incremental
+        self.delivered = 0
+        self.experts = 0
+
+    def delta(self, values: list[Any], total: int) -> list[Any]:
+        if self.incremental is None and self.delivered:
+            if len(values) == total - self.delivered:
+                self.incremental = True
+            elif len(values) == total:
+                self.incremental = False
+        if self.incremental or not self.delivered:
+            return values
+        return values[self.delivered :]
+
+    def expert_delta(self, values: list[int]) -> list[int]:
+        new = values if self.incremental else values[self.experts :]
+        self.experts += len(new)
+        return new
+
+
+class SglangEngine:
+    name = "sglang"
+
+    def __init__(self, config: HttpEngineConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        self._server_info: dict[str, Any] = {}
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = new_session(self.config)
+        return self._session
+
+    async def start(self) -> None:
+        self.session  # noqa: B018 - created here, inside the running loop
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def describe(self) -> dict[str, Any]:
+        info = self._server_info
+        model = info.get("served_model_name") or info.get("model_path")
+        return {
+            "model": str(model) if model else "unknown",
+            "formats": ["*"],
+            "engine_url": self.config.url,
+            "incremental_streaming_output": self._incremental(),
+            "max_model_len": info.get("context_length"),
+        }
+
+    def _incremental(self) -> bool | None:
+        for key in ("incremental_streaming_output", "stream_output"):
+            value = self._server_info.get(key)
+            if isinstance(value, bool):
+                return value
+        return None
+
+    async def healthy(self) -> bool:
+        """The engine answers `/health`; its model and streaming mode are (re)read then."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        base = self.config.base
+        try:
+            async with self.session.get(f"{base}/health", timeout=timeout) as r:
+                if r.status != 200:
+                    self._server_info = {}
+                    return False
+            if not self._server_info:
+                async with self.session.get(f"{base}/get_server_info", timeout=timeout) as r:
+                    info = await r.json() if r.status == 200 else {}
+                self._server_info = info if isinstance(info, dict) else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("SGLang at %s is not healthy: %s", self.config.url, exc)
+            self._server_info = {}
+            return False
+        return True
+
+    async def _abort(self, rid: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+        try:
+            async with self.session.post(
+                f"{self.config.base}/abort_request", json={"rid": rid}, timeout=timeout
+            ) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not abort %s on %s: %s", rid, self.config.url, exc)
+
+    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        rid = new_dispatch_rid()
+        body = sglang_body(env, rid)
+        # Once the POST starts the engine may know the rid: from then on, leaving early
+        # (a cancel) must abort it. Every way of ending that the engine knows sets done.
+        submitted = done = False
+        try:
+            submitted = True
+            try:
+                response = await self.session.post(
+                    f"{self.config.base}/generate", json=body, headers=_SSE
+                )
+            except aiohttp.ClientConnectionError as exc:
+                done = True
+                raise unavailable(f"cannot reach SGLang at {self.config.url}: {exc}") from None
+            except TimeoutError:
+                done = True
+                raise unavailable(f"SGLang at {self.config.url} did not answer in time") from None
+            async with response:
+                if response.status != 200:
+                    done = True
+                    raise await http_error(response, "SGLang")
+                try:
+                    async for out in self._read(response, env):
+                        done = out.finish is not None
+                        yield out
+                except MeshError:
+                    done = True  # the engine ended this request itself
+                    raise
+                except aiohttp.ClientPayloadError as exc:
+                    done = True
+                    raise unavailable(
+                        f"SGLang stream broke: {exc}", reason="connection_lost"
+                    ) from None
+                except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                    done = True
+                    raise unavailable(
+                        f"SGLang stream failed: {exc!r}", reason="connection_lost"
+                    ) from None
+        finally:
+            if submitted and not done:
+                # Cancelled or abandoned: stop the engine's work, under our own rid only.
+                await asyncio.shield(self._abort(rid))
+
+    async def _read(
+        self, response: aiohttp.ClientResponse, env: Envelope
+    ) -> AsyncGenerator[EngineOutput, None]:
+        cursor = _Cursor(self._incremental())
+        wants = env.output
+        async for event in sse_events(response):
+            if event == "[DONE]":
+                raise incomplete("SGLang /generate finished without a terminal response")
+            if not isinstance(event, dict):
+                raise unavailable(f"SGLang sent an unexpected event: {str(event)[:200]}")
+            if "error" in event:
+                error = event["error"]
+                message = str(error.get("message") if isinstance(error, dict) else error)
+                code = ErrorCode.UNAVAILABLE if cursor.delivered else ErrorCode.INVALID_ARGUMENT
+                raise MeshError(code, message)
+            meta = event.get("meta_info") or {}
+            delivered = cursor.delivered
+            ids = event.get("output_ids") or []
+            total = meta.get("completion_tokens")
+            if not isinstance(total, int):
+                total = delivered + len(ids)
+            out = EngineOutput(tokens=list(cursor.delta(ids, total)))
+            if wants.logprobs and "output_token_logprobs" in meta:
+                triples = cursor.delta(meta["output_token_logprobs"] or [], total)
+                out.logprobs = [t[0] for t in triples]
+                if wants.top_logprobs:
+                    rows = cursor.delta(meta.get("output_top_logprobs") or [], total)
+                    out.top_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
+            if not delivered:
+                out.cached_tokens = int(meta.get("cached_tokens") or 0)
+                if wants.prompt_logprobs_start is not None:
+                    out.prompt_logprobs = [t[0] for t in meta.get("input_token_logprobs") or []]
+                    if wants.top_logprobs:
+                        out.prompt_top_logprobs = _tops(meta.get("input_top_logprobs") or [])
+            if wants.routed_experts_start is not None and meta.get("routed_experts"):
+                out.routed_experts = [cursor.expert_delta(_int32(meta["routed_experts"]))]
+            extras = {k: v for k, v in meta.items() if k not in _MAPPED_META}
+            if extras:
+                out.engine = {"meta_info": extras}
+            cursor.delivered += len(out.tokens)
+            finish = meta.get("finish_reason")
+            if finish is not None:
+                out.finish = _finish(finish, cursor.delivered)
+                out.usage = {
+                    "prompt_tokens": int(meta.get("prompt_tokens") or len(env.token_ids)),
+                    "completion_tokens": cursor.delivered,
+                    "cached_tokens": int(meta.get("cached_tokens") or 0),
+                }
+                yield out
+                return
+            if out.tokens or out.prompt_logprobs is not None:
+                yield out
+        raise incomplete("SGLang /generate closed before a terminal response")
+
+
+_SSE = {"Accept": "text/event-stream"}
+
+
+def _finish(finish: Any, delivered: int) -> dict[str, Any]:
+    """SGLang's finish reason as genmesh's, or the error it stands for."""
+    if not isinstance(finish, dict):
+        finish = {"type": str(finish)}
+    kind = finish.get("type")
+    if kind == "stop":
+        return {"reason": "stop", "matched": finish.get("matched")}
+    if kind == "length":
+        return {"reason": "length"}
+    status, err_type = finish.get("status_code"), finish.get("err_type")
+    message = str(finish.get("message") or kind)
+    if kind == "abort" and delivered and status is None and err_type is None:
+        # On decode, a plain abort is a cancellation: the engine stopped the request.
+        return {"reason": "abort", "message": message}
+    detail = {"status_code": status, "err_type": err_type}
+    if isinstance(status, int) and 400 <= status < 500:
+        raise MeshError(ErrorCode.INVALID_ARGUMENT, message, detail=detail)
+    raise MeshError(
+        ErrorCode.INTERNAL, f"SGLang ended the request ({kind}): {message}", detail=detail
+    )

@@ -1,0 +1,616 @@
+"""The `vllm` engine adapter: a client of a real vLLM server's token-in/token-out API.
+
+Every dispatch goes to `POST /inference/v1/generate` under its own private `request_id`
+(32 hex digits, never the client's id), asking for a stream. Servers that stream (vLLM's
+scale-out builds and later) answer with SSE deltas; older ones (v0.11-v0.18) ignore
+`stream` and answer one JSON body: the response's content type tells which, and both
+become the same `EngineOutput`s (reference `engine-apis.md` §B.4-§B.5). vLLM's stream
+chunks carry neither prompt logprobs nor a P/D prefill's reply `kv_transfer_params`, so
+requests that need those are sent unary (`stream: false`).
+
+Cancelling the generator aborts the engine's request: through `POST /abort_requests`
+when the server offers it (`--tokens-only`; learnt once by `healthy()`), and always by
+closing the HTTP connection, which is how vLLM aborts a request without that endpoint.
+vLLM knows a request as `"generate-tokens-" + request_id` (§B.2, inferred there), so an
+abort names that id and, to be safe, the bare one too.
+
+Errors, as the seed PR describes them: an HTTP 4xx is the request's fault
+(`invalid_argument`, with the engine's message, `status_code` and `err_type`); 5xx,
+connection failures and timeouts are `unavailable` (retryable); an in-band error event is
+`invalid_argument` before any token (`unavailable` when it carries a 5xx code or comes
+after tokens); a stream that ends before its terminal chunk, or with `[DONE]` first, is
+`unavailable` with reason `stream_incomplete`; a dropped connection is `unavailable` with
+reason `connection_lost`.
+
+Translation. genmesh priorities are "higher = more urgent", vLLM's the opposite, so the
+adapter negates them. vLLM returns prompt logprobs from position 0 (entry 0 null); the
+adapter keeps those from `output.prompt_logprobs_start` on, the first of them None as in
+every engine's output. vLLM refuses `max_tokens: 0`, which genmesh allows (a prompt-only
+scoring request): the adapter asks for one token and drops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+from collections.abc import AsyncGenerator
+from typing import Any, cast
+
+import aiohttp
+import orjson
+
+from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
+from genmesh.services.worker.engines.http import (
+    HttpEngineConfig,
+    http_error,
+    incomplete,
+    new_session,
+    sse_events,
+    unavailable,
+)
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode, MeshError
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/abort_requests"
+# vLLM's own name for a request submitted with `request_id: X` (reference §B.2).
+ENGINE_ID_PREFIX = "generate-tokens-"
+# Fields of a vLLM-format request the adapter sets itself (the format strips them too).
+_OWNED = frozenset(("request_id", "token_ids", "stream", "stream_options"))
+# Choice fields the adapter maps; the rest (`sampling_mask`, `routed_experts`, ...) travel
+# as engine extras for genmesh's vLLM format to pass on.
+_MAPPED_CHOICE = frozenset(
+    ("index", "token_ids", "logprobs", "finish_reason", "stop_reason", "text")
+)
+# Top-level response fields that travel as engine extras.
+_TOP_LEVEL_EXTRAS = ("kv_transfer_params", "ec_transfer_params")
+_ACCEPT = "text/event-stream, application/json"
+# Seconds to wait, after the terminal chunk, for the usage chunk and `[DONE]`.
+_TAIL_TIMEOUT_S = 5.0
+
+
+def new_dispatch_id() -> str:
+    return secrets.token_hex(16)
+
+
+def engine_request_ids(dispatch_id: str) -> list[str]:
+    """The ids to abort: what vLLM calls the request, then the bare id in case it differs."""
+    return [ENGINE_ID_PREFIX + dispatch_id, dispatch_id]
+
+
+def vllm_request(
+    env: Envelope, dispatch_id: str, model: str | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body and headers of one dispatch: the client's own fields if it spoke vLLM,
+    then everything the envelope decides (budget, logprobs, routing, ...), which wins."""
+    native = env.format == "vllm"
+    body = {k: v for k, v in env.engine.items() if k not in _OWNED} if native else {}
+    sp = dict(body.get("sampling_params") or {})
+    s = env.sampling
+    if s.max_tokens is None:
+        sp.pop("max_tokens", None)  # the server's default
+    else:
+        sp["max_tokens"] = max(s.max_tokens, 1)  # 0: one token, dropped by the reader
+    sp["min_tokens"] = s.min_tokens
+    sp["stop_token_ids"] = list(s.stop_token_ids)
+    sp["ignore_eos"] = s.ignore_eos
+    if s.seed is None:
+        sp.pop("seed", None)
+    else:
+        sp["seed"] = s.seed
+    for key, value in (
+        ("temperature", s.temperature),
+        ("top_p", s.top_p),
+        ("top_k", s.top_k),
+        ("min_p", s.min_p),
+    ):
+        if value is not None:
+            sp[key] = value
+    sp["n"] = 1
+    # The server picks the output kind itself (DELTA when it streams).
+    sp.pop("output_kind", None)
+    out = env.output
+    if out.logprobs:
+        sp["logprobs"] = out.top_logprobs
+    else:
+        sp.pop("logprobs", None)
+    if out.prompt_logprobs_start is not None:
+        sp["prompt_logprobs"] = out.top_logprobs
+    else:
+        sp.pop("prompt_logprobs", None)
+    if not native:
+        # Token ids are all genmesh reads: spare the server the detokenizing.
+        sp.setdefault("detokenize", False)
+    kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict):
+        # v0.11-v0.18 read it only from extra_args; newer servers copy it there themselves.
+        extra = sp.get("extra_args")
+        sp["extra_args"] = {**(extra if isinstance(extra, dict) else {}), "kv_transfer_params": kv}
+    body["sampling_params"] = sp
+
+    routing = env.routing
+    if routing.cache_salt is None:
+        body.pop("cache_salt", None)
+    else:
+        body["cache_salt"] = routing.cache_salt
+    if routing.priority is None:
+        body.pop("priority", None)
+    else:
+        body["priority"] = -routing.priority  # vLLM: lower = more urgent
+    if model:
+        body["model"] = model
+    else:
+        body.pop("model", None)
+    body["token_ids"] = env.token_ids
+    body["request_id"] = dispatch_id
+    # vLLM's stream chunks carry no prompt logprobs and no reply kv_transfer_params
+    # (§B.5, §C.3): a request that wants them (or is a P/D prefill leg) is unary.
+    prefill_leg = isinstance(kv, dict) and bool(kv.get("do_remote_decode"))
+    body["stream"] = out.prompt_logprobs_start is None and not prefill_leg
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+
+    headers = {"Accept": _ACCEPT}
+    if routing.dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(routing.dp_rank)
+    return body, headers
+
+
+# ------------------------------------------------------------------------------ parsing
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return None if math.isnan(number) else number
+
+
+def _entry_token(entry: dict[str, Any]) -> int | None:
+    """An entry's token id: integer `token_id` (newer builds) or `"token_id:N"` (older)."""
+    tid = _int(entry.get("token_id"))
+    if tid is not None:
+        return tid
+    token = entry.get("token")
+    if isinstance(token, str) and token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:") :])
+        except ValueError:
+            return None
+    return None
+
+
+def _top_k(candidates: list[tuple[int, float, int | None]], k: int) -> TopLogprobs:
+    """The k best of (token_id, logprob, rank) candidates, best first. Ranks decide when
+    every candidate has one (and a rank beyond k is no top-k entry); logprobs otherwise."""
+    if all(rank is not None for _, _, rank in candidates):
+        ordered = sorted(candidates, key=lambda c: c[2] or 0)
+        ordered = [c for c in ordered if (c[2] or 0) <= k]
+    else:
+        ordered = sorted(candidates, key=lambda c: -c[1])
+    out: TopLogprobs = []
+    seen: set[int] = set()
+    for tid, lp, _ in ordered:
+        if tid not in seen:
+            seen.add(tid)
+            out.append((tid, lp))
+        if len(out) == k:
+            break
+    return out
+
+
+def _finish(reason: Any, stop_reason: Any) -> dict[str, Any]:
+    """vLLM's finish reason as genmesh's."""
+    if reason == "stop":
+        # EOS and stop tokens both read "stop"; a stop token names itself in stop_reason.
+        return {"reason": "stop", "matched": _int(stop_reason)}
+    if reason == "length":
+        return {"reason": "length"}
+    if reason == "abort":
+        return {"reason": "abort"}
+    if reason == "error":
+        raise unavailable("vLLM ended the request with an engine error (finish_reason error)")
+    return {"reason": "abort", "message": f"vLLM finish reason {str(reason)[:100]!r}"}
+
+
+class _Parser:
+    """Turns vLLM response objects (SSE chunks or a unary body) into `EngineOutput`s."""
+
+    def __init__(self, env: Envelope) -> None:
+        self.env = env
+        self.delivered = 0
+        self.prompt_seen = False
+        # True once the engine reported the request finished (no abort needed any more).
+        self.finished = False
+        self.usage: dict[str, Any] | None = None
+        # max_tokens 0 was sent as 1: the token is not the client's.
+        self.drop_tokens = env.sampling.max_tokens == 0
+
+    def error(self, error: Any) -> MeshError:
+        """An in-band `{"error": ...}`: the request's fault before any token, unless the
+        engine says it failed itself (a 5xx code); after tokens, the engine broke."""
+        if isinstance(error, dict):
+            message = str(error.get("message") or error.get("type") or "vLLM error")
+            status, err_type = _int(error.get("code")), error.get("type")
+        else:
+            message, status, err_type = str(error), None, None
+        err_type = err_type if isinstance(err_type, str) else None
+        if self.delivered or (status is not None and status >= 500):
+            return unavailable(f"vLLM failed mid-stream: {message}", status_code=status)
+        return MeshError(
+            ErrorCode.INVALID_ARGUMENT,
+            message,
+            detail={"status_code": status if status is not None else 400, "err_type": err_type},
+        )
+
+    def parse(self, obj: dict[str, Any]) -> EngineOutput | None:
+        """One response object as an output; None when it carries nothing new."""
+        if "error" in obj and not obj.get("choices"):
+            raise self.error(obj["error"])
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        out = EngineOutput(tokens=[])
+        extras: dict[str, Any] = {}
+        choices = obj.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if isinstance(choice, dict):
+            tokens = choice.get("token_ids") or []
+            if not isinstance(tokens, list) or any(_int(t) is None for t in tokens):
+                raise unavailable(f"vLLM sent malformed token_ids: {str(tokens)[:200]}")
+            if not self.drop_tokens:
+                out.tokens = list(tokens)
+                self._logprobs(out, choice.get("logprobs"))
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                out.finish = _finish(reason, choice.get("stop_reason"))
+                if self.drop_tokens:
+                    out.finish = {"reason": "length"}
+            extras = {k: v for k, v in choice.items() if k not in _MAPPED_CHOICE and v is not None}
+        for key in _TOP_LEVEL_EXTRAS:
+            if obj.get(key) is not None:
+                extras[key] = obj[key]
+        if extras:
+            out.engine = extras
+        rows = obj.get("prompt_logprobs")
+        start = self.env.output.prompt_logprobs_start
+        if start is not None and not self.prompt_seen and isinstance(rows, list):
+            self.prompt_seen = True
+            self._prompt_logprobs(out, rows, start)
+        self.delivered += len(out.tokens)
+        if out.finish is not None:
+            self.finished = True
+            return out
+        if out.tokens or out.prompt_logprobs is not None or out.engine:
+            return out
+        return None
+
+    def _logprobs(self, out: EngineOutput, logprobs: Any) -> None:
+        wants = self.env.output
+        if not wants.logprobs or not isinstance(logprobs, dict):
+            return
+        content = logprobs.get("content")
+        if not isinstance(content, list) or len(content) != len(out.tokens):
+            log.debug("vLLM logprobs do not line up with the tokens; dropped")
+            return
+        lps: list[float] = []
+        ranks: list[int] = []
+        tops: list[TopLogprobs] = []
+        for token, entry in zip(out.tokens, content, strict=True):
+            if not isinstance(entry, dict):
+                return
+            lp = _float(entry.get("logprob"))
+            if lp is None:
+                return  # a position without data: no logprobs for this output
+            lps.append(lp)
+            candidates = _candidates(entry.get("top_logprobs"))
+            rank = _int(entry.get("rank"))
+            ranks.append(_implied_rank(token, candidates) if rank is None else rank)
+            if wants.top_logprobs:
+                tops.append(_top_k(candidates, wants.top_logprobs))
+        out.logprobs = lps
+        out.ranks = ranks if all(ranks) else None
+        if wants.top_logprobs:
+            out.top_logprobs = tops
+
+    def _prompt_logprobs(self, out: EngineOutput, rows: list[Any], start: int) -> None:
+        """vLLM's per-position maps, from `start` on (the first entry None)."""
+        prompt = self.env.token_ids
+        k = self.env.output.top_logprobs
+        lps: list[float | None] = [None]
+        ranks: list[int | None] = [None]
+        tops: list[TopLogprobs | None] = [None]
+        for pos in range(start + 1, len(prompt)):
+            row = rows[pos] if pos < len(rows) else None
+            if not isinstance(row, dict):
+                lps.append(None)
+                ranks.append(None)
+                tops.append(None)
+                continue
+            candidates: list[tuple[int, float, int | None]] = []
+            for key, value in row.items():
+                if not isinstance(value, dict):
+                    continue
+                try:
+                    tid = int(key)
+                except ValueError:
+                    continue
+                lp = _float(value.get("logprob"))
+                if lp is not None:
+                    candidates.append((tid, lp, _int(value.get("rank"))))
+            own = row.get(str(prompt[pos]))
+            own = own if isinstance(own, dict) else {}
+            lps.append(_float(own.get("logprob")))
+            ranks.append(_int(own.get("rank")))
+            tops.append(_top_k(candidates, k) if k else None)
+        out.prompt_logprobs = lps
+        out.prompt_ranks = ranks
+        out.prompt_top_logprobs = tops if k else None
+
+    def finalize(self, out: EngineOutput) -> EngineOutput:
+        """The terminal output with the usage the server reported (or what is known)."""
+        usage = self.usage or {}
+        details = usage.get("prompt_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        if cached is not None:
+            out.cached_tokens = cached
+        prompt_tokens = _int(usage.get("prompt_tokens"))
+        out.usage = {
+            "prompt_tokens": len(self.env.token_ids) if prompt_tokens is None else prompt_tokens,
+            "completion_tokens": self.delivered,
+            "cached_tokens": cached or 0,
+        }
+        return out
+
+
+def _candidates(tops: Any) -> list[tuple[int, float, int | None]]:
+    out: list[tuple[int, float, int | None]] = []
+    for entry in tops if isinstance(tops, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        tid, lp = _entry_token(entry), _float(entry.get("logprob"))
+        if tid is not None and lp is not None:
+            out.append((tid, lp, _int(entry.get("rank"))))
+    return out
+
+
+def _implied_rank(token: int, candidates: list[tuple[int, float, int | None]]) -> int:
+    """A token's rank when the server gives none (older builds): its place among the
+    listed candidates, best first, if some candidate ranks below it (then it is inside
+    the top-k the list holds); else unknown (0). A sampled token outside the top-k comes
+    last in vLLM's list, so a last place says nothing."""
+    ordered = [tid for tid, _, _ in sorted(candidates, key=lambda c: -c[1])]
+    if token in ordered[:-1]:
+        return ordered.index(token) + 1
+    return 0
+
+
+def _streams(response: aiohttp.ClientResponse) -> bool:
+    return response.content_type == "text/event-stream"
+
+
+# ------------------------------------------------------------------------------ engine
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, config: HttpEngineConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        # Facts learnt from the server by healthy(); forgotten while it is down.
+        self._model: str | None = None
+        self._max_model_len: int | None = None
+        # Whether POST /abort_requests exists (None = not known yet).
+        self._abort_offered: bool | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = new_session(self.config)
+        return self._session
+
+    async def start(self) -> None:
+        self.session  # noqa: B018 - created here, inside the running loop
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self._model or "unknown",
+            "formats": ["*"],
+            "engine_url": self.config.url,
+            "abort_requests": self._abort_offered,
+            "max_model_len": self._max_model_len,
+        }
+
+    def _forget(self) -> None:
+        self._model = None
+        self._max_model_len = None
+        self._abort_offered = None
+
+    async def healthy(self) -> bool:
+        """The server answers `/health`; its model and abort endpoint are (re)learnt then."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        base = self.config.base
+        try:
+            async with self.session.get(f"{base}/health", timeout=timeout) as r:
+                await r.read()
+                if r.status != 200:
+                    self._forget()
+                    return False
+            if self._model is None:
+                async with self.session.get(f"{base}/v1/models", timeout=timeout) as r:
+                    models = await r.json(content_type=None) if r.status == 200 else None
+                self._learn_model(models)
+            if self._abort_offered is None:
+                async with self.session.post(
+                    f"{base}{ABORT_PATH}", json={"request_ids": []}, timeout=timeout
+                ) as r:
+                    await r.read()
+                    self._learn_abort(r.status)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("vLLM at %s is not healthy: %s", self.config.url, exc)
+            self._forget()
+            return False
+        return True
+
+    def _learn_model(self, models: Any) -> None:
+        data = models.get("data") if isinstance(models, dict) else None
+        first = data[0] if isinstance(data, list) and data else None
+        if isinstance(first, dict) and isinstance(first.get("id"), str):
+            self._model = first["id"]
+            self._max_model_len = _int(first.get("max_model_len"))
+
+    def _learn_abort(self, status: int) -> None:
+        if 200 <= status < 300:
+            self._abort_offered = True
+        elif status in (404, 405):
+            self._abort_offered = False
+
+    async def _cancel(self, dispatch_id: str, response: aiohttp.ClientResponse | None) -> None:
+        """Stop a request the engine may still run: abort it by id when the server can,
+        then close its connection (which is vLLM's abort when it cannot)."""
+        try:
+            if self._abort_offered is not False:
+                timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+                ids = engine_request_ids(dispatch_id)
+                try:
+                    async with self.session.post(
+                        f"{self.config.base}{ABORT_PATH}",
+                        json={"request_ids": ids},
+                        timeout=timeout,
+                    ) as r:
+                        await r.read()
+                        self._learn_abort(r.status)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    log.warning("could not abort %s on %s: %s", ids[0], self.config.url, exc)
+        finally:
+            if response is not None:
+                response.close()
+
+    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        dispatch_id = new_dispatch_id()
+        body, headers = vllm_request(env, dispatch_id, self._model)
+        parser = _Parser(env)
+        url = f"{self.config.base}{GENERATE_PATH}"
+        response: aiohttp.ClientResponse | None = None
+        # Once the POST starts the engine may know the request: from then on, leaving
+        # early (a cancel) must abort it. Every way of ending that the engine knows of
+        # (its finish, an error answer, a connection it saw close) sets done.
+        submitted = done = False
+        try:
+            submitted = True
+            try:
+                response = await self.session.post(url, json=body, headers=headers)
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                done = True  # never reached the server
+                raise unavailable(f"cannot reach vLLM at {self.config.url}: {exc}") from None
+            except TimeoutError:
+                raise unavailable(
+                    f"vLLM at {self.config.url} did not answer in time", reason="timeout"
+                ) from None
+            except aiohttp.ClientConnectionError as exc:
+                done = True  # the connection is gone: vLLM aborts on a disconnect
+                raise unavailable(
+                    f"vLLM at {self.config.url} dropped the request: {exc!r}",
+                    reason="connection_lost",
+                ) from None
+            if response.status != 200:
+                done = True
+                raise await http_error(response, "vLLM")
+            read = self._read_sse if _streams(response) else self._read_unary
+            try:
+                async with contextlib.aclosing(read(response, parser)) as outputs:
+                    async for out in outputs:
+                        done = out.finish is not None
+                        yield out
+            except MeshError:
+                done = True  # the engine ended this request itself
+                raise
+            except aiohttp.ClientPayloadError as exc:
+                done = True
+                raise unavailable(f"vLLM stream broke: {exc}", reason="connection_lost") from None
+            except TimeoutError:
+                # Silence, not an end: the engine may still be working on it.
+                raise unavailable(
+                    f"vLLM sent nothing for {self.config.read_timeout_s:g}s",
+                    reason="connection_lost",
+                ) from None
+            except aiohttp.ClientConnectionError as exc:
+                done = True
+                raise unavailable(
+                    f"vLLM stream failed: {exc!r}", reason="connection_lost"
+                ) from None
+        finally:
+            if submitted and not done and not parser.finished:
+                # Cancelled or abandoned: stop the engine's work, under our own id only.
+                await asyncio.shield(self._cancel(dispatch_id, response))
+            elif response is not None:
+                response.release()
+
+    async def _read_sse(
+        self, response: aiohttp.ClientResponse, parser: _Parser
+    ) -> AsyncGenerator[EngineOutput, None]:
+        events = cast(AsyncGenerator[Any, None], sse_events(response))
+        terminal: EngineOutput | None = None
+        try:
+            async for event in events:
+                if event == "[DONE]":
+                    raise incomplete(f"vLLM {GENERATE_PATH} sent [DONE] before a terminal chunk")
+                if not isinstance(event, dict):
+                    raise unavailable(f"vLLM sent an unexpected event: {str(event)[:200]}")
+                out = parser.parse(event)
+                if out is None:
+                    continue
+                if out.finish is not None:
+                    terminal = out  # held until its usage arrives
+                    break
+                yield out
+            if terminal is None:
+                raise incomplete(f"vLLM {GENERATE_PATH} stream ended before a terminal chunk")
+            # The tail: the usage chunk, then [DONE]. The request is over, so a tail that
+            # is slow or broken costs only the usage numbers, never the result.
+            try:
+                async with asyncio.timeout(_TAIL_TIMEOUT_S):
+                    async for event in events:
+                        if event == "[DONE]":
+                            break
+                        if isinstance(event, dict) and isinstance(event.get("usage"), dict):
+                            parser.usage = event["usage"]
+            except (aiohttp.ClientError, TimeoutError, MeshError) as exc:
+                log.debug("vLLM stream tail after the terminal chunk failed: %r", exc)
+        finally:
+            await events.aclose()
+        yield parser.finalize(terminal)
+
+    async def _read_unary(
+        self, response: aiohttp.ClientResponse, parser: _Parser
+    ) -> AsyncGenerator[EngineOutput, None]:
+        raw = await response.read()
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            # Most likely cut short: the engine's answer is incomplete.
+            raise incomplete(f"vLLM answered with a body that is not JSON: {raw[:200]!r}") from None
+        if not isinstance(obj, dict):
+            raise unavailable(f"vLLM answered with an unexpected body: {str(obj)[:200]}")
+        out = parser.parse(obj)
+        if out is None or out.finish is None:
+            raise incomplete(f"vLLM {GENERATE_PATH} answered without a finish reason")
+        yield parser.finalize(out)
