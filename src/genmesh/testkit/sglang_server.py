@@ -701,7 +701,9 @@ class _Generation:
             self.queue.put_nowait(_Event(self.item.index, "crash"))
             raise
         finally:
-            self.server.state.finish(self.running, completed=completed)
+            # "completed" means a natural end (stop or length), as the vLLM mock counts it.
+            natural = completed and not self.running.aborted.is_set()
+            self.server.state.finish(self.running, completed=natural)
 
     def _emit(self, kind: Literal["chunk", "final"], payload: JSON) -> None:
         self.queue.put_nowait(_Event(self.item.index, kind, payload))
