@@ -139,12 +139,18 @@ class Mesh:
         heartbeat: float | None = None,
         engine: str = "mock",
         engine_url: str | None = None,
+        testkit_faults: bool = False,
+        drain_timeout: float | None = None,
         wait: bool = True,
     ) -> Service:
         wid = worker_id or new_worker_id()
         args = ["--worker-id", wid, "--mock-speedup", str(speedup), "--engine", engine]
         if engine_url is not None:
             args += ["--engine-url", engine_url]
+        if testkit_faults:
+            args.append("--testkit-faults")
+        if drain_timeout is not None:
+            args += ["--drain-timeout", str(drain_timeout)]
         if vocab_size is not None:
             args += ["--mock-vocab-size", str(vocab_size)]
         if eos_token_id is not None:

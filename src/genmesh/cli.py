@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how routers pick a worker",
     )
     _worker_options(up, many_urls=True)
+    option(
+        up,
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="on Ctrl-C, seconds workers let in-flight requests finish",
+    )
 
     frontend = sub.add_parser("frontend", help="run the HTTP frontend", formatter_class=_Formatter)
     _common(frontend)
@@ -209,7 +216,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout",
         type=_non_negative_float,
         default=60.0,
-        help="seconds of silence from a worker before a request fails",
+        help="seconds a live worker may stay silent before a request fails (or migrates)",
+    )
+    option(
+        frontend,
+        "--ping-after",
+        type=_non_negative_float,
+        default=1.0,
+        help="seconds of silence after which a worker is pinged (no answer: it died, migrate)",
+    )
+    option(
+        frontend,
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="how many times a request may move to another worker after a failure; 0 = never",
+    )
+    option(
+        frontend,
+        "--request-timeout",
+        type=_non_negative_float,
+        default=0.0,
+        help="seconds a request may take in all (HTTP 504 after); 0 = no limit; a request's "
+        "X-Request-Timeout header may set a shorter one",
     )
 
     router = sub.add_parser("router", help="run a router", formatter_class=_Formatter)
@@ -228,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(worker)
     option(worker, "--worker-id", default=None, help="worker id (a subject token); random if unset")
     _worker_options(worker)
+    flag(
+        worker,
+        "--testkit-faults",
+        help="tests only: let genmesh.<ns>.testkit.<worker id> requests inject engine faults",
+    )
+    option(
+        worker,
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take before they migrate elsewhere",
+    )
     option(
         worker,
         "--heartbeat-interval",

@@ -8,16 +8,26 @@
 
 `generate` yields every reply frame (`ack`, `out`, `ka`, `end`, `err`) and always ends with
 exactly one terminal frame, `end` or `err`: failures the client detects itself (no
-responders, a worker that never acknowledges or falls silent, lost frames) arrive as `err`
+responders, a worker that never acknowledges or goes silent, lost frames) arrive as `err`
 frames with `"origin": "client"`. Leaving the loop early, or cancelling the task, publishes
 a cancel so the engine stops.
+
+When a worker fails with a retryable error (it died, its engine broke, it was drained,
+it went silent and no longer answers pings, or discovery dropped it), the client
+*migrates* the request: it re-dispatches a continuation (`genmesh.shared.migration`)
+elsewhere and yields a `mig` frame (`{"t": "mig", "attempt", "reason", "from_worker",
+"delivered"}`, made by the client, never on the wire) before the new attempt's frames.
+Counters in the new attempt's frames (usage) count from that attempt;
+`genmesh.formats.merge.Rebaser` turns them back into what an uninterrupted run reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import Any
@@ -26,6 +36,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.shared import frames
@@ -37,9 +49,11 @@ from genmesh.shared.bus import (
     publish,
     unsubscribe_quietly,
 )
+from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.ids import new_request_id
+from genmesh.shared.migration import continuation
 from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -89,6 +103,12 @@ def request(
     )
 
 
+MIG = "mig"
+DEFAULT_MIGRATION_LIMIT = 3
+DEFAULT_PING_AFTER_S = 1.0
+PING_TIMEOUT_S = 1.0
+
+
 class MeshClient:
     """Sends request envelopes and demultiplexes reply frames from one wildcard inbox."""
 
@@ -100,6 +120,9 @@ class MeshClient:
         codec: str | None = None,
         ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        ping_after_s: float = DEFAULT_PING_AFTER_S,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        directory: WorkerDirectory | None = None,
         owns_connection: bool = False,
     ) -> None:
         self.nc = nc
@@ -107,11 +130,19 @@ class MeshClient:
         self.codec: Codec = get_codec(codec)
         self.ack_timeout_s = ack_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.ping_after_s = ping_after_s
+        self.migration_limit = migration_limit
+        self.migrations = 0
         self._owns_connection = owns_connection
         self._inbox = nc.new_inbox()
-        self._streams: dict[str, asyncio.Queue[Msg]] = {}
+        # Per stream token: its replies, or a failure frame made up here.
+        self._streams: dict[str, asyncio.Queue[Msg | frames.Frame]] = {}
+        # Worker id -> tokens of the streams it serves, to fail them when it disappears.
+        self._by_worker: dict[str, set[str]] = {}
         self._tokens = itertools.count()
         self._sub: Subscription | None = None
+        if directory is not None:
+            directory.on_change(self._on_directory_change)
 
     @classmethod
     async def connect(
@@ -163,6 +194,15 @@ class MeshClient:
         if queue is not None:
             queue.put_nowait(msg)
 
+    def _on_directory_change(self, event: str, worker: WorkerInfo) -> None:
+        if event != "removed":
+            return
+        for token in self._by_worker.pop(worker.id, set()):
+            queue = self._streams.get(token)
+            if queue is not None:
+                message = f"worker {worker.id} left the mesh"
+                queue.put_nowait(frames.synthetic_err("", ErrorCode.UNAVAILABLE, message))
+
     async def cancel(self, request_id: str, reason: str = "client") -> None:
         """Tell every worker to stop `request_id` (also before its request arrives)."""
         await publish(
@@ -170,16 +210,82 @@ class MeshClient:
         )
 
     async def generate(
-        self, envelope: Envelope, *, subject: str | None = None
+        self,
+        envelope: Envelope,
+        *,
+        subject: str | None = None,
+        no_migration: str | None = None,
     ) -> AsyncGenerator[frames.Frame, None]:
-        """Dispatch `envelope` (to the routers unless `subject` says otherwise); yield frames."""
+        """Dispatch `envelope` (to the routers unless `subject` says otherwise); yield frames.
+
+        `no_migration`: why this request must not continue elsewhere once tokens were
+        delivered (a restart before any token is always safe). Pinned requests (a
+        `subject`, or `routing.worker`) never migrate.
+        """
         if self._sub is None:
             raise RuntimeError("MeshClient.start() has not been called")
+        pinned = subject is not None or envelope.routing.worker is not None
+        limit = 0 if pinned else self.migration_limit
+        deadline = _loop_deadline(envelope.deadline)
+        delivered: list[int] = []
+        failed: list[str] = []
+        attempt = 1
+        env = envelope
+        while True:
+            failure: frames.Frame | None = None
+            worker: str | None = None
+            async with contextlib.aclosing(self._attempt(env, subject, deadline)) as stream:
+                async for frame in stream:
+                    kind = frame["t"]
+                    if kind == frames.ACK:
+                        worker = frame.get("worker")
+                    elif kind in (frames.OUT, frames.END):
+                        delivered.extend(frame.get("tokens") or [])
+                    elif kind == frames.ERR and frame.get("retryable") and attempt <= limit:
+                        failure = frame
+                        break
+                    yield frame
+                    if kind in frames.TERMINAL:
+                        return
+            assert failure is not None
+            if delivered and no_migration is not None:
+                yield {
+                    **failure,
+                    "message": f"{failure['message']} (not migrated: {no_migration})",
+                    "retryable": False,
+                }
+                return
+            if worker is not None:
+                failed.append(worker)
+            attempt += 1
+            self.migrations += 1
+            env = continuation(envelope, delivered, attempt, failed)
+            log.info(
+                "request %s: attempt %d after: %s (%d tokens delivered)",
+                envelope.id,
+                attempt,
+                failure["message"],
+                len(delivered),
+            )
+            yield {
+                "t": MIG,
+                "id": envelope.id,
+                "attempt": attempt,
+                "reason": failure["message"],
+                "from_worker": worker,
+                "delivered": len(delivered),
+            }
+
+    async def _attempt(
+        self, envelope: Envelope, subject: str | None, deadline: float | None
+    ) -> AsyncGenerator[frames.Frame, None]:
+        """One dispatch: its frames, ending with one terminal frame (maybe made up here)."""
         rid = envelope.id
         token = str(next(self._tokens))
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        queue: asyncio.Queue[Msg | frames.Frame] = asyncio.Queue()
         self._streams[token] = queue
         finished = False
+        worker: str | None = None
         target = subject or self.subjects.router_generate
         try:
             try:
@@ -201,25 +307,25 @@ class MeshClient:
                 )
                 return
             expected_seq = 0
+            silent_since = asyncio.get_running_loop().time()
             while True:
-                timeout = self.ack_timeout_s if expected_seq == 0 else self.idle_timeout_s
-                try:
-                    if queue.empty():  # a timer only when there is something to wait for
-                        async with asyncio.timeout(timeout):
-                            msg = await queue.get()
-                    else:
-                        msg = queue.get_nowait()
-                except TimeoutError:
-                    what = "acknowledged the request" if expected_seq == 0 else "sent a frame"
-                    yield frames.synthetic_err(
-                        rid, ErrorCode.UNAVAILABLE, f"no worker {what} within {timeout:g}s"
-                    )
+                item = await self._next(queue, expected_seq, worker, silent_since, deadline)
+                if item is None:
+                    continue  # the silent worker answered a ping: keep waiting
+                if isinstance(item, dict):  # made up here: timeout, deadline, worker gone
+                    item["id"] = rid
+                    yield item
                     return
-                frame = self._read(rid, msg, target, expected_seq)
+                silent_since = asyncio.get_running_loop().time()
+                frame = self._read(rid, item, target, expected_seq)
                 expected_seq += 1
-                if frame["t"] not in frames.TYPES:
+                kind = frame["t"]
+                if kind not in frames.TYPES:
                     continue  # a frame type from a newer protocol: numbered, not understood
-                if frame["t"] not in frames.TERMINAL:
+                if kind == frames.ACK and isinstance(frame.get("worker"), str):
+                    worker = frame["worker"]
+                    self._by_worker.setdefault(frame["worker"], set()).add(token)
+                if kind not in frames.TERMINAL:
                     yield frame
                     continue
                 # A terminal frame from a worker needs no cancel; one we made up does.
@@ -228,11 +334,62 @@ class MeshClient:
                 return
         finally:
             self._streams.pop(token, None)
+            if worker is not None:
+                self._by_worker.get(worker, set()).discard(token)
             if not finished:
                 try:
                     await self.cancel(rid)
                 except Exception as exc:
                     log.warning("could not publish cancel for %s: %s", rid, exc)
+
+    async def _next(
+        self,
+        queue: asyncio.Queue[Msg | frames.Frame],
+        expected_seq: int,
+        worker: str | None,
+        silent_since: float,
+        deadline: float | None,
+    ) -> Msg | frames.Frame | None:
+        """The next reply; a terminal frame made up here; or None after a good ping."""
+        if not queue.empty():
+            return queue.get_nowait()
+        loop = asyncio.get_running_loop()
+        acked = expected_seq > 0
+        window = self.idle_timeout_s if acked else self.ack_timeout_s
+        limit = silent_since + window
+        # Acknowledged: wake early to ask a silent worker whether it is still there.
+        wake = min(limit, silent_since + self.ping_after_s) if acked else limit
+        if deadline is not None:
+            wake = min(wake, deadline)
+        try:
+            async with asyncio.timeout_at(max(wake, loop.time())):
+                return await queue.get()
+        except TimeoutError:
+            pass
+        now = loop.time()
+        if deadline is not None and now >= deadline:
+            return frames.synthetic_err(
+                "", ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed"
+            )
+        if now >= limit:
+            what = "sent a frame" if acked else "acknowledged the request"
+            message = f"no worker {what} within {window:g}s"
+            return frames.synthetic_err("", ErrorCode.UNAVAILABLE, message)
+        if worker is not None and not await self._alive(worker):
+            message = f"worker {worker} is gone (its ping subject has no responders)"
+            return frames.synthetic_err("", ErrorCode.UNAVAILABLE, message)
+        return None
+
+    async def _alive(self, worker: str) -> bool:
+        """Ping a silent worker. Only "nobody is subscribed" means dead: a slow answer is a
+        busy worker, and that is what the idle timeout is for."""
+        try:
+            await self.nc.request(self.subjects.worker_ping(worker), b"", timeout=PING_TIMEOUT_S)
+        except NoRespondersError:
+            return False
+        except (NatsTimeoutError, NatsError):
+            return True
+        return True
 
     def _read(self, rid: str, msg: Msg, target: str, expected_seq: int) -> frames.Frame:
         """Decode and check one reply; problems become a terminal `err` frame."""
@@ -252,3 +409,10 @@ class MeshClient:
                 f"reply frames lost: expected seq {expected_seq}, got {frame['seq']}",
             )
         return frame
+
+
+def _loop_deadline(deadline: float | None) -> float | None:
+    """A Unix-time deadline on the event loop's clock."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.time())

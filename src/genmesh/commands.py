@@ -46,6 +46,9 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                 body_limit_mb=args.body_limit_mb,
                 ack_timeout_s=args.ack_timeout,
                 idle_timeout_s=args.idle_timeout,
+                migration_limit=args.migration_limit,
+                ping_after_s=args.ping_after,
+                request_timeout_s=args.request_timeout or None,
             )
         )
     )
@@ -89,8 +92,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker_id=worker_id,
         max_concurrency=args.max_concurrency,
         heartbeat_interval_s=args.heartbeat_interval,
+        drain_timeout_s=args.drain_timeout,
     )
-    return _run_service(serve_worker(args.nats_url, args.namespace, engine, config))
+    return _run_service(
+        serve_worker(
+            args.nats_url, args.namespace, engine, config, testkit_faults=args.testkit_faults
+        )
+    )
 
 
 def cmd_nats(args: argparse.Namespace) -> int:

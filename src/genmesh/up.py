@@ -65,7 +65,7 @@ async def _wait_ready(url: str, children: list[Child]) -> str | None:
     return reason
 
 
-async def _stop(children: list[Child]) -> None:
+async def _stop(children: list[Child], drain_timeout_s: float) -> None:
     # The frontend first, so no new request enters while the rest goes down.
     for role in ("frontend", "router", "worker"):
         group = [c for c in children if c.role == role and c.running]
@@ -73,10 +73,12 @@ async def _stop(children: list[Child]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 child.process.send_signal(signal.SIGTERM)
         for child in group:
+            # Workers may drain first: give them that long, and a little more.
+            allowed = STOP_TIMEOUT_S + (drain_timeout_s if role == "worker" else 0)
             try:
-                await asyncio.wait_for(child.process.wait(), STOP_TIMEOUT_S)
+                await asyncio.wait_for(child.process.wait(), allowed)
             except TimeoutError:
-                _say(f"{child.label} did not stop in {STOP_TIMEOUT_S:g}s; killing it")
+                _say(f"{child.label} did not stop in {allowed:g}s; killing it")
                 with contextlib.suppress(ProcessLookupError):
                     child.process.kill()
                 await child.process.wait()
@@ -142,6 +144,7 @@ async def _up(args: argparse.Namespace) -> int:
     common = ["--nats-url", url, "--namespace", args.namespace, "--log-level", args.log_level]
     worker_args = [
         "--engine", args.engine,
+        "--drain-timeout", str(args.drain_timeout),
         "--max-concurrency", str(args.max_concurrency),
         "--mock-speedup", str(args.mock_speedup),
         "--mock-model", args.mock_model,
@@ -191,7 +194,7 @@ async def _up(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         _say("stopping")
-        await _stop(children)
+        await _stop(children, args.drain_timeout)
         if server is not None:
             await asyncio.to_thread(server.stop)
         _say("stopped")

@@ -71,6 +71,10 @@ class Exchange(ABC):
     def sse(self, index: int, record: Record) -> list[Any]:
         """The SSE payloads (JSON values) that carry `record`."""
 
+    def new_attempt(self, index: int) -> None:  # noqa: B027 - optional; most count nothing
+        """Item `index` continues on another worker (a migration): reset what the exchange
+        counts per attempt. Records stay attempt-local; the merge rules rebase them."""
+
     def sse_end(self) -> list[Any]:
         """Payloads sent after every item has ended, before `[DONE]` (e.g. a usage chunk)."""
         return []

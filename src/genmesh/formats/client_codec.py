@@ -53,6 +53,9 @@ class _CodecExchange(Exchange):
     def sse(self, index: int, record: Record) -> list[Any]:
         return self.inner.sse(index, record)
 
+    def new_attempt(self, index: int) -> None:
+        self.inner.new_attempt(index)
+
     def sse_end(self) -> list[Any]:
         return self.inner.sse_end()
 

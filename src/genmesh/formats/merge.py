@@ -114,6 +114,61 @@ class Merger:
         node[leaf] = value
 
 
+class Rebaser:
+    """The streaming side of the same rules: makes each record of a migrated request say
+    what an uninterrupted run would have said (for SSE, where records go out one by one).
+
+    `attempt` fields get the earlier attempts' final values added; `prompt` fields keep
+    the first attempt's values; `delta` and `last` fields pass unchanged.
+    """
+
+    def __init__(self, rules: Mapping[str, Rule]) -> None:
+        self.rules = {p: r for p, r in rules.items() if r in (Rule.ATTEMPT, Rule.PROMPT)}
+        self._attempt: int | None = None
+        self._first: int | None = None
+        self._base: dict[str, Any] = {}  # attempt fields: total of the attempts before
+        self._last: dict[str, Any] = {}  # attempt fields: last value of this attempt
+        self._prompt: dict[str, Any] = {}  # prompt fields: the first attempt's values
+
+    def rebase(self, record: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
+        if self._first is None:
+            self._first = attempt
+        if attempt != self._attempt:
+            for path, value in self._last.items():
+                if value is not None:
+                    base = self._base.get(path)
+                    self._base[path] = value if base is None else base + value
+            self._last = {}
+            self._attempt = attempt
+        if not self.rules:
+            return record
+        out = _copy_maps(record)
+        for path, rule in self.rules.items():
+            *parents, leaf = path.split(".")
+            node: Any = out
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or leaf not in node:
+                continue
+            value = node[leaf]
+            if rule is Rule.ATTEMPT:
+                self._last[path] = value
+                base = self._base.get(path)
+                if value is not None and base is not None:
+                    node[leaf] = base + value
+            elif attempt == self._first:
+                if value is not None:
+                    self._prompt[path] = value
+            elif path in self._prompt:
+                node[leaf] = self._prompt[path]
+        return out
+
+
+def _copy_maps(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the maps of `record` (values shared): rebasing must not touch the input."""
+    return {k: _copy_maps(v) if isinstance(v, Mapping) else v for k, v in record.items()}
+
+
 def fold(
     chunks: list[Mapping[str, Any]],
     rules: Mapping[str, Rule],

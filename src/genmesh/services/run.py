@@ -55,6 +55,9 @@ class FrontendOptions:
     body_limit_mb: float
     ack_timeout_s: float
     idle_timeout_s: float
+    migration_limit: int = 3
+    ping_after_s: float = 1.0
+    request_timeout_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -75,21 +78,25 @@ async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
     formats = load_generate_formats(opts.generate_format)
     subjects = Subjects(opts.namespace)
     nc = await connect(opts.nats_url, name="genmesh-frontend", inbox_prefix="_INBOX_frontend")
+    directory = WorkerDirectory(nc, subjects)
     client = MeshClient(
         nc,
         opts.namespace,
         codec=opts.codec,
         ack_timeout_s=opts.ack_timeout_s,
         idle_timeout_s=opts.idle_timeout_s,
+        migration_limit=opts.migration_limit,
+        ping_after_s=opts.ping_after_s,
+        directory=directory,  # a worker that leaves discovery is a migration trigger
     )
     await client.start()
-    directory = WorkerDirectory(nc, subjects)
     await directory.start()
     state = FrontendState(
         backend=MeshBackend(nc, client, directory, opts.namespace),
         namespace=opts.namespace,
         default_model=opts.model,
         started=time.time(),
+        request_timeout_s=opts.request_timeout_s,
     )
     app = build_app(state, formats, body_limit_bytes=int(opts.body_limit_mb * 1024 * 1024))
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
@@ -133,10 +140,22 @@ async def serve_router(nats_url: str, namespace: str, policy: str) -> None:
             await nc.drain()
 
 
-async def serve_worker(nats_url: str, namespace: str, engine: Engine, worker: WorkerConfig) -> None:
+async def serve_worker(
+    nats_url: str,
+    namespace: str,
+    engine: Engine,
+    worker: WorkerConfig,
+    *,
+    testkit_faults: bool = False,
+) -> None:
     nc = await connect(
         nats_url, name=f"genmesh-worker-{worker.worker_id}", inbox_prefix="_INBOX_worker"
     )
+    if testkit_faults:
+        from genmesh.testkit.faulty import FaultyEngine, serve_fault_control
+
+        engine = FaultyEngine(engine)
+        await serve_fault_control(nc, namespace, worker.worker_id, engine)
     service = Worker(nc, Subjects(namespace), engine, worker)
     async with stop_signals() as stop:
         await service.start()

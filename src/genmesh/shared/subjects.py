@@ -30,6 +30,10 @@ class Subjects:
     def worker_generate(self, worker_id: str) -> str:
         return f"{self.prefix}.worker.{worker_id}.generate"
 
+    def worker_ping(self, worker_id: str) -> str:
+        """Answered by the worker while it lives: a requester's liveness check."""
+        return f"{self.prefix}.worker.{worker_id}.ping"
+
     @property
     def cancel(self) -> str:
         return f"{self.prefix}.cancel"

@@ -8,14 +8,19 @@ worker, so that one scenario list runs against every engine adapter alike.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from genmesh.services.worker.engines.base import Engine, EngineOutput
 from genmesh.services.worker.engines.http import incomplete, unavailable
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
-from genmesh.testkit.common import ServerState
+from genmesh.testkit.common import Fault, ServerState
 
 
 class FaultyEngine:
@@ -90,3 +95,30 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "cached_tokens": 0,
     }
+
+
+def control_subject(namespace: str, worker_id: str) -> str:
+    """Where a test steers the faults of a worker started with --testkit-faults."""
+    return f"genmesh.{namespace}.testkit.{worker_id}"
+
+
+async def serve_fault_control(
+    nc: Client, namespace: str, worker_id: str, engine: FaultyEngine
+) -> Subscription:
+    """Answer `<control>` requests: a JSON Fault queues it, `{}` reads the state.
+
+    Test-only: a worker exposes this only when started with --testkit-faults.
+    """
+
+    async def on_request(msg: Msg) -> None:
+        try:
+            body = json.loads(msg.data or b"{}")
+            if body:
+                engine.state.faults.append(Fault.from_json(body))
+            answer: dict[str, Any] = engine.state.snapshot()
+        except ValueError as exc:
+            answer = {"error": str(exc)}
+        if msg.reply:
+            await nc.publish(msg.reply, json.dumps(answer).encode())
+
+    return await nc.subscribe(control_subject(namespace, worker_id), cb=on_request)

@@ -475,7 +475,19 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
         stream=stream,
         client_id=client_id,
         options=SglangOptions(options, multi),
+        migration=next(filter(None, (migration_refusal(sp or {}) for sp in sps)), None),
     )
+
+
+def migration_refusal(sp: Mapping[str, Any]) -> str | None:
+    """Why replaying the delivered tokens as prompt would change what comes next."""
+    for key in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if sp.get(key) is not None:
+            return f"guided decoding ({key}) would restart its grammar from the schema root"
+    for key in ("presence_penalty", "frequency_penalty"):
+        if sp.get(key):
+            return f"{key} counts generated tokens, which a continuation sees as prompt"
+    return None
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

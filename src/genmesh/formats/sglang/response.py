@@ -149,6 +149,9 @@ class SglangExchange(Exchange):
             meta["e2e_latency"] = round(time.monotonic() - self.received_at, 6)
         return {"output_ids": tokens, "meta_info": meta}
 
+    def new_attempt(self, index: int) -> None:
+        self.items[index].completion_tokens = 0
+
     @staticmethod
     def _note_prompt_logprobs(item: _Item, frame: frames.Frame) -> None:
         prompt_lps = frame.get("prompt_logprobs")

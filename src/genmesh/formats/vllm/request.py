@@ -569,7 +569,30 @@ def bind(body: Any, headers: Mapping[str, str]) -> Bound:
         include_usage=include_usage,
         continuous_usage=continuous,
     )
-    return Bound(items=items, stream=bool(stream), client_id=client_id, options=options)
+    return Bound(
+        items=items,
+        stream=bool(stream),
+        client_id=client_id,
+        options=options,
+        migration=migration_refusal(sp),
+    )
+
+
+def migration_refusal(sp: Mapping[str, Any]) -> str | None:
+    """Why replaying the delivered tokens as prompt would change what comes next."""
+    for key in (
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ):
+        if sp.get(key) is not None:
+            return f"guided decoding ({key}) would restart its grammar from the start"
+    for key in ("presence_penalty", "frequency_penalty"):
+        if sp.get(key):
+            return f"{key} counts generated tokens, which a continuation sees as prompt"
+    return None
 
 
 def _check_wire_ints(value: Any) -> None:

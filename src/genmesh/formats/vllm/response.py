@@ -170,12 +170,24 @@ def choice_metadata(engine: Any) -> dict[str, Any]:
 class _Item:
     """Rendering state of one sample."""
 
-    __slots__ = ("cached_tokens", "completion_tokens", "prompt_rendered")
+    __slots__ = (
+        "attempts",
+        "cached_tokens",
+        "completion_tokens",
+        "earlier_tokens",
+        "prompt_rendered",
+    )
 
     def __init__(self) -> None:
-        self.completion_tokens = 0
-        self.cached_tokens = 0
+        self.completion_tokens = 0  # in this attempt (records count per attempt)
+        self.earlier_tokens = 0  # in the attempts before a migration
+        self.cached_tokens = 0  # the first attempt's: a property of the original prompt
+        self.attempts = 1
         self.prompt_rendered = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.earlier_tokens + self.completion_tokens
 
 
 class VllmExchange(Exchange):
@@ -203,7 +215,8 @@ class VllmExchange(Exchange):
             cached = (frame.get("usage") or {}).get("cached_tokens")
         if isinstance(cached, int):
             counts["cached_tokens"] = cached
-            item.cached_tokens = cached
+            if item.attempts == 1:
+                item.cached_tokens = cached
         record["usage"] = counts
         if (
             opts.prompt_logprobs is not None
@@ -218,10 +231,16 @@ class VllmExchange(Exchange):
             record["engine"] = dict(engine)
         return record
 
+    def new_attempt(self, index: int) -> None:
+        item = self.items[index]
+        item.earlier_tokens += item.completion_tokens
+        item.completion_tokens = 0
+        item.attempts += 1
+
     def _usage(self, items: list[_Item]) -> dict[str, Any]:
         return usage(
             self.options.prompt_tokens,
-            sum(item.completion_tokens for item in items),
+            sum(item.total_tokens for item in items),
             items[0].cached_tokens,
         )
 

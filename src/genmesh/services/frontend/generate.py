@@ -11,14 +11,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from genmesh.client import MIG
 from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
-from genmesh.formats.merge import Merger
+from genmesh.formats.merge import Merger, Rebaser
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode, MeshError, http_status
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_KEEPALIVE = b": keep-alive\n\n"
+TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def dumps(obj: Any) -> str:
@@ -72,8 +74,14 @@ class GenerateHandler:
         if not_ready:
             return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
 
+        try:
+            timeout = self._timeout(request.headers)
+        except ValueError as exc:
+            return self.json_error(400, str(exc), headers)
+        deadline = None if timeout is None else time.time() + timeout
         for envelope in bound.items:
             envelope.id = new_request_id()
+            envelope.deadline = deadline
         rid = (
             bound.items[0].id
             if len(bound.items) == 1
@@ -81,7 +89,12 @@ class GenerateHandler:
         )
         exchange = self.format.exchange(bound, public_id, received_at)
         log.debug("request %s (client id %s) dispatched", rid, bound.client_id)
-        stream = interleave([self.state.backend.generate(item) for item in bound.items])
+        stream = interleave(
+            [
+                self.state.backend.generate(item, no_migration=bound.migration)
+                for item in bound.items
+            ]
+        )
         try:
             async with contextlib.aclosing(stream):
                 if bound.stream:
@@ -97,6 +110,20 @@ class GenerateHandler:
             # Handler cancellation: the client disconnected. aclosing() published the cancels.
             log.info("request %s: client disconnected (499); cancelled", rid)
             raise
+
+    def _timeout(self, headers: Mapping[str, str]) -> float | None:
+        """The request's time limit: the configured one, or a shorter one it asks for."""
+        limit = self.state.request_timeout_s
+        asked = headers.get(TIMEOUT_HEADER)
+        if asked is not None:
+            try:
+                seconds = float(asked)
+            except ValueError:
+                seconds = -1.0
+            if not 0 < seconds < float("inf"):
+                raise ValueError(f"{TIMEOUT_HEADER} must be a positive number of seconds")
+            limit = seconds if limit is None else min(limit, seconds)
+        return limit
 
     def _failure(self, error: MeshError, rid: str, public_id: str) -> tuple[int, MeshError]:
         status = http_status(error.code)
@@ -126,14 +153,18 @@ class GenerateHandler:
         count: int,
     ) -> web.StreamResponse:
         mergers = [Merger(self.format.merge_rules, self.format.joiners) for _ in range(count)]
+        attempts = [0] * count
         ended = 0
         async for index, frame in stream:
             kind = frame["t"]
             if kind == frames.ERR:
                 # One failed item fails the request; leaving cancels the others.
                 return self._error_response(exchange, frame, headers, rid)
+            if kind == MIG:
+                attempts[index] += 1
+                exchange.new_attempt(index)
             if kind in (frames.OUT, frames.END):
-                mergers[index].add(exchange.render(index, frame))
+                mergers[index].add(exchange.render(index, frame), attempts[index])
             if kind == frames.END:
                 ended += 1
                 if ended == count:
@@ -151,9 +182,16 @@ class GenerateHandler:
         count: int,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
+        # Each SSE record says what an uninterrupted run would: migrations are rebased.
+        rebasers = [Rebaser(self.format.merge_rules) for _ in range(count)]
+        attempts = [0] * count
         ended = 0
         async for index, frame in stream:
             kind = frame["t"]
+            if kind == MIG:
+                attempts[index] += 1
+                exchange.new_attempt(index)
+                continue
             if kind == frames.ACK:
                 continue
             if response is None:
@@ -169,7 +207,8 @@ class GenerateHandler:
                 await response.write(sse_event([exchange.error(error, status)]) + SSE_DONE)
                 break
             else:
-                data = sse_event(exchange.sse(index, exchange.render(index, frame)))
+                record = rebasers[index].rebase(exchange.render(index, frame), attempts[index])
+                data = sse_event(exchange.sse(index, record))
                 if kind == frames.END:
                     ended += 1
                     if ended == count:

@@ -22,7 +22,9 @@ class LocalBackend:
         self.engine = engine
         self.worker_id = worker_id
 
-    async def generate(self, envelope: Envelope) -> AsyncGenerator[frames.Frame, None]:
+    async def generate(
+        self, envelope: Envelope, *, no_migration: str | None = None
+    ) -> AsyncGenerator[frames.Frame, None]:
         seq = 0
         yield frames.ack(envelope.id, self.worker_id, new_request_id())
         async for frame in execute(self.engine, envelope):

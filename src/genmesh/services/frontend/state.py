@@ -20,8 +20,11 @@ from genmesh.shared.frames import Frame
 
 
 class Backend(Protocol):
-    def generate(self, envelope: Envelope) -> AsyncGenerator[Frame, None]:
-        """Reply frames of one request, ending with exactly one `end` or `err` frame."""
+    def generate(
+        self, envelope: Envelope, *, no_migration: str | None = None
+    ) -> AsyncGenerator[Frame, None]:
+        """Reply frames of one request, ending with exactly one `end` or `err` frame;
+        `mig` frames mark a move to another worker (`no_migration`: why it must not)."""
         ...
 
     def not_ready_reason(self) -> str | None:
@@ -42,8 +45,10 @@ class MeshBackend:
     directory: WorkerDirectory
     namespace: str
 
-    def generate(self, envelope: Envelope) -> AsyncGenerator[Frame, None]:
-        return self.client.generate(envelope)
+    def generate(
+        self, envelope: Envelope, *, no_migration: str | None = None
+    ) -> AsyncGenerator[Frame, None]:
+        return self.client.generate(envelope, no_migration=no_migration)
 
     def not_ready_reason(self) -> str | None:
         if not self.nc.is_connected:
@@ -69,6 +74,8 @@ class FrontendState:
     namespace: str
     default_model: str
     started: float
+    # Every request's deadline unless it asks for a shorter one; None = no limit.
+    request_timeout_s: float | None = None
 
     def models(self) -> list[str]:
         found = sorted(

@@ -53,6 +53,9 @@ class WorkerConfig:
     keepalive_interval_s: float = 5.0
     # How often the engine's health is checked (twice as often while it is down).
     health_interval_s: float = 1.0
+    # On SIGTERM: how long in-flight requests may take to finish before they are handed
+    # back to their requesters (retryable: they migrate to another worker).
+    drain_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -83,6 +86,7 @@ class Worker:
         self._tasks = TaskOwner(f"worker {config.worker_id}")
         self._load_changed = asyncio.Event()
         self._announcer: asyncio.Task[None] | None = None
+        self._generate_sub: Subscription | None = None
         self._started = time.time()
         self._stopping = False
         # Announced only while the engine is healthy: a worker without an engine is no worker.
@@ -104,10 +108,12 @@ class Worker:
         self._engine_up = await self._engine_healthy()
         if not self._engine_up:
             log.warning("worker %s: waiting for its %s engine", self.worker_id, self.engine.name)
+        self._generate_sub = await self.nc.subscribe(self.subject, cb=self._on_generate)
         self._subs = [
-            await self.nc.subscribe(self.subject, cb=self._on_generate),
+            self._generate_sub,
             await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
             await self.nc.subscribe(self.subjects.query, cb=self._on_query),
+            await self.nc.subscribe(self.subjects.worker_ping(self.worker_id), cb=self._on_ping),
         ]
         self._announcer = self._tasks.spawn(self._announce_loop(), name="announce")
         self._tasks.spawn(self._keepalive_loop(), name="keepalive")
@@ -115,7 +121,8 @@ class Worker:
         log.info("worker %s serving %s on %s", self.worker_id, self.engine.name, self.subject)
 
     async def stop(self) -> None:
-        """Leave discovery first, then end what is in flight as retryable, then close."""
+        """Drain: leave discovery, stop admitting, let what is in flight finish for up to
+        `drain_timeout_s`, hand the rest back as retryable (they migrate), then close."""
         if self._stopping:
             return
         self._stopping = True
@@ -124,14 +131,25 @@ class Worker:
             self._announcer.cancel()
             await asyncio.gather(self._announcer, return_exceptions=True)
         await self._leave()
-        for sub in self._subs:
-            await unsubscribe_quietly(sub)
-        shutdown = MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
+        # No new requests; cancels and pings still work while the rest drains.
+        await unsubscribe_quietly(self._generate_sub)
+        running = [a.task for a in self._active.values() if a.task is not None]
+        if running:
+            log.info(
+                "worker %s draining %d requests (up to %gs)",
+                self.worker_id,
+                len(running),
+                self.config.drain_timeout_s,
+            )
+            await asyncio.wait(running, timeout=self.config.drain_timeout_s)
+        handed_back = MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
         for active in list(self._active.values()):
-            self._stop_request(active, shutdown)
+            self._stop_request(active, handed_back)
         running = [a.task for a in self._active.values() if a.task is not None]
         if running:
             await asyncio.wait(running, timeout=5.0)
+        for sub in self._subs:
+            await unsubscribe_quietly(sub)
         await self._tasks.close()
         await self.engine.close()
 
@@ -202,6 +220,10 @@ class Worker:
             except TimeoutError:
                 pass
 
+    async def _on_ping(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, b"")
+
     async def _on_query(self, msg: Msg) -> None:
         if not self._stopping:  # a late announce would undo our leave
             await self._announce()
@@ -261,12 +283,22 @@ class Worker:
                 f"{self.config.max_concurrency} concurrent requests",
             )
             return
+        if envelope.deadline is not None and envelope.deadline <= time.time():
+            await self._reject(
+                reply, codec, rid, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed"
+            )
+            return
         active = _Active(envelope, reply, codec, dispatch=new_request_id())
         self._active[rid] = active
         self.stats["admitted"] += 1
         self._load_changed.set()
         await self._send(active, frames.ack(rid, self.worker_id, active.dispatch))
         active.task = self._tasks.spawn(self._run(active), name=f"request {rid}")
+        if envelope.deadline is not None:
+            # The engine's work ends at the deadline even if the requester is gone.
+            expired = MeshError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+            delay = envelope.deadline - time.time()
+            asyncio.get_running_loop().call_later(delay, self._stop_request, active, expired)
 
     async def _reject(
         self, reply: str, codec: Codec, rid: str | None, code: ErrorCode, message: str
