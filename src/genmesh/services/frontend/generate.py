@@ -20,6 +20,7 @@ from aiohttp import web
 from genmesh.client import MIG
 from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
 from genmesh.formats.merge import Merger, Rebaser
+from genmesh.services.frontend.observe import Observation, RequestInfo
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode, MeshError, http_status
@@ -56,52 +57,77 @@ class GenerateHandler:
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        received_at = time.monotonic()
+        info = RequestInfo(
+            self.format.name, request.method, request.path, time.monotonic(), time.time()
+        )
+        obs = Observation(self.state.observers, info)
+        try:
+            response = await self._handle(request, obs)
+        except (asyncio.CancelledError, ConnectionResetError):
+            obs.finished(499, ErrorCode.CANCELLED.value)
+            raise
+        except BaseException:
+            obs.finished(500, ErrorCode.INTERNAL.value)
+            raise
+        obs.finished(response.status, obs.error_type)
+        return response
+
+    async def _handle(self, request: web.Request, obs: Observation) -> web.StreamResponse:
+        info = obs.info
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
+            obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return self.json_error(
                 413, f"request body is larger than the limit of {self.body_limit_bytes} bytes"
             )
         try:
             bound = self.format.bind(self.format.parse(body), request.headers)
         except RequestRejected as rejected:
+            obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
 
         public_id = bound.client_id or new_public_id()
+        info.public_id, info.client_id, info.stream = public_id, bound.client_id, bound.stream
         headers = {"x-request-id": public_id}
         not_ready = self.state.backend.not_ready_reason()
         if not_ready:
+            obs.error_type = ErrorCode.UNAVAILABLE.value
             return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
 
         try:
             timeout = self._timeout(request.headers)
         except ValueError as exc:
+            obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return self.json_error(400, str(exc), headers)
         deadline = None if timeout is None else time.time() + timeout
         for envelope in bound.items:
             envelope.id = new_request_id()
             envelope.deadline = deadline
+        info.items = bound.items
         rid = (
             bound.items[0].id
             if len(bound.items) == 1
             else f"{bound.items[0].id}+{len(bound.items) - 1}"
         )
-        exchange = self.format.exchange(bound, public_id, received_at)
+        exchange = self.format.exchange(bound, public_id, info.received_at)
         log.debug("request %s (client id %s) dispatched", rid, bound.client_id)
+        obs.dispatched()
         stream = interleave(
             [
                 self.state.backend.generate(item, no_migration=bound.migration)
                 for item in bound.items
             ]
         )
+        if obs:
+            stream = observed(stream, obs)
         try:
             async with contextlib.aclosing(stream):
                 if bound.stream:
                     return await self._stream(
-                        request, stream, exchange, headers, rid, len(bound.items)
+                        request, stream, exchange, headers, rid, len(bound.items), obs
                     )
-                return await self._unary(stream, exchange, headers, rid, len(bound.items))
+                return await self._unary(stream, exchange, headers, rid, len(bound.items), obs)
         except ConnectionResetError as exc:
             # The client went away while we wrote; closing the stream above sent the cancels.
             log.info("request %s: client connection lost (%s); cancelled", rid, exc)
@@ -135,9 +161,15 @@ class GenerateHandler:
         return status, error
 
     def _error_response(
-        self, exchange: Exchange, frame: frames.Frame, headers: dict[str, str], rid: str
+        self,
+        exchange: Exchange,
+        frame: frames.Frame,
+        headers: dict[str, str],
+        rid: str,
+        obs: Observation,
     ) -> web.Response:
         status, error = self._failure(frames.error_of(frame), rid, headers["x-request-id"])
+        obs.error_type = error.code.value
         if status == 503:
             headers = {**headers, "Retry-After": "1"}
         return web.json_response(
@@ -151,6 +183,7 @@ class GenerateHandler:
         headers: dict[str, str],
         rid: str,
         count: int,
+        obs: Observation,
     ) -> web.StreamResponse:
         mergers = [Merger(self.format.merge_rules, self.format.joiners) for _ in range(count)]
         attempts = [0] * count
@@ -159,7 +192,7 @@ class GenerateHandler:
             kind = frame["t"]
             if kind == frames.ERR:
                 # One failed item fails the request; leaving cancels the others.
-                return self._error_response(exchange, frame, headers, rid)
+                return self._error_response(exchange, frame, headers, rid, obs)
             if kind == MIG:
                 attempts[index] += 1
                 exchange.new_attempt(index)
@@ -180,6 +213,7 @@ class GenerateHandler:
         headers: dict[str, str],
         rid: str,
         count: int,
+        obs: Observation,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         # Each SSE record says what an uninterrupted run would: migrations are rebased.
@@ -197,13 +231,14 @@ class GenerateHandler:
             if response is None:
                 # The status is committed only now, so errors before any output keep theirs.
                 if kind == frames.ERR:
-                    return self._error_response(exchange, frame, headers, rid)
+                    return self._error_response(exchange, frame, headers, rid, obs)
                 response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
                 await response.prepare(request)
             if kind == frames.KA:
                 await response.write(SSE_KEEPALIVE)
             elif kind == frames.ERR:
                 status, error = self._failure(frames.error_of(frame), rid, headers["x-request-id"])
+                obs.error_type = error.code.value
                 await response.write(sse_event([exchange.error(error, status)]) + SSE_DONE)
                 break
             else:
@@ -251,3 +286,13 @@ async def interleave(
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def observed(
+    stream: AsyncGenerator[tuple[int, frames.Frame], None], obs: Observation
+) -> AsyncGenerator[tuple[int, frames.Frame], None]:
+    """`stream`, with every frame shown to the request's observers on the way."""
+    async with contextlib.aclosing(stream):
+        async for index, frame in stream:
+            obs.frame(index, frame)
+            yield index, frame

@@ -8,12 +8,13 @@ mesh behind it, which is what the benchmark's direct-engine baseline is.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nats.aio.client import Client
 
 from genmesh.client import MeshClient
+from genmesh.services.frontend.observe import Observer
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Frame
@@ -76,6 +77,8 @@ class FrontendState:
     started: float
     # Every request's deadline unless it asks for a shorter one; None = no limit.
     request_timeout_s: float | None = None
+    # Metrics, traces, request records: each sees every request (see observe.py).
+    observers: list[Observer] = field(default_factory=list)
 
     def models(self) -> list[str]:
         found = sorted(
