@@ -31,9 +31,11 @@ def option(
     default: Any = None,
     choices: Sequence[str] | None = None,
     required: bool = False,
+    env: str | None = None,
 ) -> None:
-    """An option that falls back to its GENMESH_ variable, then to `default`."""
-    env = _env_name(flag)
+    """An option that falls back to its GENMESH_ variable (`env`, or one named after the
+    flag), then to `default`."""
+    env = env or _env_name(flag)
     raw = os.environ.get(env)
     if raw is not None and raw != "":
         try:
@@ -108,6 +110,101 @@ def _mock_options(parser: argparse.ArgumentParser) -> None:
         default=32_768,
         help="mock context length (prompt + output)",
     )
+
+
+def _metrics_options(parser: argparse.ArgumentParser, *, base: bool = False) -> None:
+    what = (
+        "first Prometheus metrics port: routers, then workers, get one each from it"
+        if base
+        else "HTTP port serving Prometheus metrics on /metrics"
+    )
+    option(parser, "--metrics-port", type=int, default=0, help=f"{what}; 0 = off")
+    option(parser, "--metrics-host", default="127.0.0.1", help="metrics listen address")
+
+
+def _request_trace_options(parser: argparse.ArgumentParser) -> None:
+    option(
+        parser,
+        "--request-trace",
+        default=None,
+        help="write one trace record per request to this file: PATH.jsonl (appended) or "
+        "PATH.jsonl.gz (segments PATH.<n>.jsonl.gz that roll)",
+    )
+    flag(parser, "--request-trace-nats", help="publish each record on genmesh.<ns>.trace")
+    flag(
+        parser,
+        "--request-trace-payload",
+        help="records also hold the request body and the prompt and output token ids",
+    )
+    option(
+        parser,
+        "--request-trace-roll-mb",
+        type=_non_negative_float,
+        default=256.0,
+        help=".jsonl.gz: start a new segment after this many MiB of JSON; 0 = no limit",
+    )
+    option(
+        parser,
+        "--request-trace-roll-lines",
+        type=int,
+        default=0,
+        help=".jsonl.gz: start a new segment after this many records; 0 = no limit",
+    )
+    option(
+        parser,
+        "--request-trace-block-size",
+        type=_positive_int,
+        default=64,
+        help="tokens per prompt block hash in the records",
+    )
+
+
+def _trace_command(sub: Any) -> None:
+    trace = sub.add_parser(
+        "trace",
+        help="check or replay request trace records",
+        description=(
+            "Work with the request trace records a frontend writes "
+            "(--request-trace / GENMESH_REQUEST_TRACE; see docs/observability.md)."
+        ),
+        formatter_class=_Formatter,
+    )
+    actions = trace.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check",
+        help="verify record files: schema, unique IDs, counts and hashes",
+        description=(
+            "Read .jsonl and .jsonl.gz record files (a PATH.jsonl.gz that does not exist "
+            "stands for its segments PATH.<n>.jsonl.gz), check every record, and print "
+            "counts by status and error type. Exits 0 if all is well, 1 if not."
+        ),
+        formatter_class=_Formatter,
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="record files or segments")
+    check.add_argument(
+        "--expect", type=int, default=None, help="fail unless there are exactly this many records"
+    )
+    check.add_argument("--json", action="store_true", help="print the summary as JSON")
+    replay = actions.add_parser(
+        "replay",
+        help="send recorded requests again and compare the outputs",
+        description=(
+            "Send the request body of every payload record (--request-trace-payload) to "
+            "the same method and endpoint of URL, and compare each generation's output hash "
+            "with the recorded one. Exits 0 if nothing mismatched or failed, 1 if not."
+        ),
+        formatter_class=_Formatter,
+    )
+    replay.add_argument("files", nargs="+", metavar="FILE", help="record files or segments")
+    replay.add_argument("--url", required=True, help="frontend address, e.g. http://127.0.0.1:8000")
+    replay.add_argument(
+        "--concurrency", type=_positive_int, default=8, help="requests in flight at once"
+    )
+    replay.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds one replayed request may take"
+    )
+    replay.add_argument("--json", action="store_true", help="print the summary as JSON")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _worker_options(parser: argparse.ArgumentParser, *, many_urls: bool = False) -> None:
@@ -185,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on Ctrl-C, seconds workers let in-flight requests finish",
     )
+    _metrics_options(up, base=True)
 
     frontend = sub.add_parser("frontend", help="run the HTTP frontend", formatter_class=_Formatter)
     _common(frontend)
@@ -240,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request may take in all (HTTP 504 after); 0 = no limit; a request's "
         "X-Request-Timeout header may set a shorter one",
     )
+    _request_trace_options(frontend)
 
     router = sub.add_parser("router", help="run a router", formatter_class=_Formatter)
     _common(router)
@@ -250,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["round_robin", "random", "least_loaded"],
         help="how to pick a worker",
     )
+    _metrics_options(router)
 
     worker = sub.add_parser(
         "worker", help="run a worker in front of an engine", formatter_class=_Formatter
@@ -276,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between announcements; routers drop a worker after 3 missed",
     )
+    _metrics_options(worker)
 
     nats_cmd = sub.add_parser(
         "nats", help="run the bundled NATS server", formatter_class=_Formatter
@@ -294,9 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     testkit.add_argument("engine", choices=["sglang", "vllm"], help="which engine to mock")
-    option(testkit, "--host", default="127.0.0.1", help="listen address")
-    option(testkit, "--port", type=int, default=30000, help="HTTP port")
-    option(testkit, "--model", default="genmesh-mock", help="served model name")
+    # Own variables: a mock engine beside a frontend must not take the frontend's settings.
+    option(
+        testkit, "--host", default="127.0.0.1", help="listen address", env="GENMESH_TESTKIT_HOST"
+    )
+    option(testkit, "--port", type=int, default=30000, help="HTTP port", env="GENMESH_TESTKIT_PORT")
+    option(
+        testkit,
+        "--model",
+        default="genmesh-mock",
+        help="served model name",
+        env="GENMESH_TESTKIT_MODEL",
+    )
     option(testkit, "--vocab-size", type=_positive_int, default=151_936, help="vocabulary")
     option(testkit, "--eos-token-id", type=int, default=151_645, help="EOS token id")
     option(testkit, "--max-model-len", type=_positive_int, default=32_768, help="context length")
@@ -310,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="log level",
     )
+
+    _trace_command(sub)
 
     req = sub.add_parser(
         "request",

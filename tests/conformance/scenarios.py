@@ -80,6 +80,17 @@ async def length_reason(h: Harness) -> None:
     assert outs[-1].tokens[-1] == stop_at
 
 
+async def stop_ids_under_ignore_eos(h: Harness) -> None:
+    """Canonical stop token ids hold under ignore_eos on every engine (SGLang itself
+    skips them then: its adapter watches for them)."""
+    full = await expected(envelope(max_tokens=10, ignore_eos=True))
+    outs = await collect(h, max_tokens=10, stop_token_ids=[full[4]], ignore_eos=True)
+    assert [t for o in outs for t in o.tokens] == full[:5]
+    assert outs[-1].finish == {"reason": "stop", "matched": full[4]}
+    assert outs[-1].usage is not None
+    assert outs[-1].usage["completion_tokens"] == 5
+
+
 async def usage(h: Harness) -> None:
     outs = await collect(h, prompt=[1, 2, 3, 4, 5], max_tokens=6, ignore_eos=True)
     assert outs[-1].usage is not None
@@ -287,6 +298,7 @@ SCENARIOS: list[tuple[str, str, Scenario]] = [
     ("streaming", "terminal_placement", terminal_placement),
     ("streaming", "length_reason", length_reason),
     ("streaming", "usage", usage),
+    ("streaming", "stop_ids_under_ignore_eos", stop_ids_under_ignore_eos),
     ("streaming", "logprobs", logprobs),
     ("failure", "opening_failure", opening_failure),
     ("failure", "premature_eof", premature_eof),

@@ -15,14 +15,21 @@ from aiohttp import web
 
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
+from genmesh.records.observer import RecordsConfig, RequestRecords
 from genmesh.services.frontend.app import build_app
+from genmesh.services.frontend.metrics import FrontendMetrics
 from genmesh.services.frontend.state import FrontendState, MeshBackend
+from genmesh.services.frontend.traces import TraceObserver
+from genmesh.services.router.metrics import router_registry
 from genmesh.services.router.service import Router
 from genmesh.services.worker.engines.base import Engine
+from genmesh.services.worker.metrics import worker_registry
 from genmesh.services.worker.service import Worker, WorkerConfig
+from genmesh.shared import tracing
 from genmesh.shared.bus import connect
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.ids import new_router_id
+from genmesh.shared.metrics import serving_metrics
 from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ class FrontendOptions:
     migration_limit: int = 3
     ping_after_s: float = 1.0
     request_timeout_s: float | None = None
+    records: RecordsConfig | None = None  # request trace records; None = off
 
 
 @dataclass(slots=True)
@@ -67,9 +75,12 @@ class RunningFrontend:
     state: FrontendState
     runner: web.AppRunner
     port: int
+    records: RequestRecords | None = None
 
     async def close(self) -> None:
         await self.runner.cleanup()
+        if self.records is not None:  # every handler has finished: all records are out
+            await self.records.close()
         await self.state.backend.close()
 
 
@@ -98,13 +109,30 @@ async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
         started=time.time(),
         request_timeout_s=opts.request_timeout_s,
     )
-    app = build_app(state, formats, body_limit_bytes=int(opts.body_limit_mb * 1024 * 1024))
+    metrics = FrontendMetrics()  # served on GET /metrics of the frontend's own port
+    state.observers.append(metrics)
+    tracer = tracing.tracer()
+    if tracer is not None:  # off, traces cost nothing: not even an observer
+        state.observers.append(TraceObserver(tracer))
+    app = build_app(
+        state,
+        formats,
+        body_limit_bytes=int(opts.body_limit_mb * 1024 * 1024),
+        metrics=metrics.registry,
+    )
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the request in the mesh. Without it aiohttp lets the handler run to the end.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     running = RunningFrontend(state, runner, opts.port)
     try:
+        if opts.records is not None and opts.records.enabled:
+            records = RequestRecords.from_config(
+                opts.records, nc=nc, subject=subjects.trace, namespace=opts.namespace
+            )
+            await records.start()
+            running.records = records
+            state.observers.append(records)
         site = web.TCPSite(runner, opts.host, opts.port)
         await site.start()
     except BaseException:
@@ -117,7 +145,7 @@ async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
 
 
 async def serve_frontend(opts: FrontendOptions) -> None:
-    async with stop_signals() as stop:
+    async with tracing.running("frontend"), stop_signals() as stop:
         running = await start_frontend(opts)
         try:
             await stop.wait()
@@ -126,11 +154,22 @@ async def serve_frontend(opts: FrontendOptions) -> None:
             await running.close()
 
 
-async def serve_router(nats_url: str, namespace: str, policy: str) -> None:
+async def serve_router(
+    nats_url: str,
+    namespace: str,
+    policy: str,
+    *,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int = 0,
+) -> None:
     router_id = new_router_id()
     nc = await connect(nats_url, name=f"genmesh-router-{router_id}", inbox_prefix="_INBOX_router")
     router = Router(nc, Subjects(namespace), policy=policy, router_id=router_id)
-    async with stop_signals() as stop:
+    async with (
+        tracing.running("router", router_id),
+        stop_signals() as stop,
+        serving_metrics(metrics_host, metrics_port, lambda: router_registry(router)),
+    ):
         await router.start()
         try:
             await stop.wait()
@@ -147,6 +186,8 @@ async def serve_worker(
     worker: WorkerConfig,
     *,
     testkit_faults: bool = False,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int = 0,
 ) -> None:
     nc = await connect(
         nats_url, name=f"genmesh-worker-{worker.worker_id}", inbox_prefix="_INBOX_worker"
@@ -157,7 +198,11 @@ async def serve_worker(
         engine = FaultyEngine(engine)
         await serve_fault_control(nc, namespace, worker.worker_id, engine)
     service = Worker(nc, Subjects(namespace), engine, worker)
-    async with stop_signals() as stop:
+    async with (
+        tracing.running("worker", worker.worker_id),
+        stop_signals() as stop,
+        serving_metrics(metrics_host, metrics_port, lambda: worker_registry(service)),
+    ):
         await service.start()
         try:
             await stop.wait()

@@ -81,7 +81,9 @@ class WorkerDirectory:
         self._tasks = TaskOwner("worker directory")
 
     def on_change(self, listener: Listener) -> None:
-        """Call `listener("added" | "removed", worker)` on membership changes."""
+        """Call `listener(event, worker)` on membership changes: "added"; "removed" (it
+        expired, or left because its engine is down); "draining" (it left to stop cleanly:
+        it still finishes, or hands back, what it runs)."""
         self._listeners.append(listener)
 
     async def start(self) -> None:
@@ -122,8 +124,9 @@ class WorkerDirectory:
         elif msg.subject == self.subjects.leave:
             gone = self.workers.pop(obj["id"], None)
             if gone is not None:
-                log.info("worker %s left", gone.id)
-                self._emit("removed", gone)
+                draining = obj.get("draining") is True
+                log.info("worker %s left%s", gone.id, " to drain" if draining else "")
+                self._emit("draining" if draining else "removed", gone)
         elif msg.subject == self.subjects.announce:
             self._update(obj)
 

@@ -39,6 +39,11 @@ class Subjects:
         return f"{self.prefix}.cancel"
 
     @property
+    def trace(self) -> str:
+        """Request trace records, one JSON record per HTTP request (frontends publish)."""
+        return f"{self.prefix}.trace"
+
+    @property
     def discovery(self) -> str:
         """Wildcard over the three discovery subjects below."""
         return f"{self.prefix}.discovery.>"

@@ -46,7 +46,7 @@ class FaultyEngine:
     async def generate(self, envelope: Envelope) -> AsyncGenerator[EngineOutput, None]:
         fault = self.state.next_fault()
         running = self.state.start(envelope.id)
-        ended = False
+        ended = completed = False
         try:
             if fault is not None and fault.kind == "http_error":
                 ended = True
@@ -68,13 +68,14 @@ class FaultyEngine:
                 delivered += len(out.tokens)
                 if out.finish is not None:
                     ended = True
+                    completed = out.finish.get("reason") != "abort"
                 yield out
                 if out.finish is not None:
                     return
         finally:
             if not ended:  # cancelled: for an in-process engine, that is the abort
                 self.state.aborted.append(envelope.id)
-            self.state.finish(running, completed=ended)
+            self.state.finish(running, completed=completed)
 
     @staticmethod
     async def _fail(kind: str, status: int, message: str) -> None:
@@ -105,7 +106,8 @@ def control_subject(namespace: str, worker_id: str) -> str:
 async def serve_fault_control(
     nc: Client, namespace: str, worker_id: str, engine: FaultyEngine
 ) -> Subscription:
-    """Answer `<control>` requests: a JSON Fault queues it, `{}` reads the state.
+    """Answer `<control>` requests: a JSON Fault queues it, `{"clear": true}` drops the
+    queued faults, `{}` reads the state.
 
     Test-only: a worker exposes this only when started with --testkit-faults.
     """
@@ -113,7 +115,9 @@ async def serve_fault_control(
     async def on_request(msg: Msg) -> None:
         try:
             body = json.loads(msg.data or b"{}")
-            if body:
+            if isinstance(body, dict) and body.get("clear") is True:
+                engine.state.faults.clear()
+            elif body:
                 engine.state.faults.append(Fault.from_json(body))
             answer: dict[str, Any] = engine.state.snapshot()
         except ValueError as exc:

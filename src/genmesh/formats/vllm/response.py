@@ -48,7 +48,9 @@ TOP_LEVEL_METADATA = ("kv_transfer_params", "ec_transfer_params")
 # Names the renderer owns; engine metadata never overrides them.
 _RESERVED = frozenset(
     ("index", "token_ids", "logprobs", "finish_reason", "stop_reason",
-     "request_id", "choices", "usage", "prompt_logprobs")
+     "request_id", "choices", "usage", "prompt_logprobs",
+     # An SGLang engine's extras (its meta_info) mean nothing in a vLLM answer.
+     "meta_info")
 )  # fmt: skip
 
 TopList = list[tuple[int, float]]

@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from genmesh import __version__
 from genmesh.formats.base import GenerateFormat
@@ -15,15 +16,21 @@ from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope, Sampling
 from genmesh.shared.ids import new_request_id
+from genmesh.shared.metrics import METRICS_PATH, metrics_handler
 
 log = logging.getLogger(__name__)
 
 STATE = web.AppKey("state", FrontendState)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+PRIVATE_CARD_FIELDS = frozenset(("engine_url", "host", "pid", "subject"))
 
 
 def build_app(
-    state: FrontendState, formats: list[GenerateFormat], *, body_limit_bytes: int
+    state: FrontendState,
+    formats: list[GenerateFormat],
+    *,
+    body_limit_bytes: int,
+    metrics: CollectorRegistry | None = None,
 ) -> web.Application:
     app = web.Application(client_max_size=body_limit_bytes)
     app[STATE] = state
@@ -38,6 +45,8 @@ def build_app(
     for path in ("/get_server_info", "/server_info"):
         app.router.add_get(path, server_info)
     app.router.add_get("/v1/models", list_models)
+    if metrics is not None:
+        app.router.add_get(METRICS_PATH, metrics_handler(metrics))
     return app
 
 
@@ -112,7 +121,11 @@ async def server_info(request: web.Request) -> web.Response:
             "genmesh": {
                 "namespace": state.namespace,
                 "ready": state.backend.not_ready_reason() is None,
-                "workers": workers,
+                # Cards without the addresses behind the mesh: this page is public.
+                "workers": [
+                    {k: v for k, v in card.items() if k not in PRIVATE_CARD_FIELDS}
+                    for card in workers
+                ],
             },
         },
         dumps=dumps,

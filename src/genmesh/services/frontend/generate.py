@@ -60,6 +60,7 @@ class GenerateHandler:
         info = RequestInfo(
             self.format.name, request.method, request.path, time.monotonic(), time.time()
         )
+        info.headers = request.headers
         obs = Observation(self.state.observers, info)
         try:
             response = await self._handle(request, obs)
@@ -81,6 +82,7 @@ class GenerateHandler:
             return self.json_error(
                 413, f"request body is larger than the limit of {self.body_limit_bytes} bytes"
             )
+        info.body = body
         try:
             bound = self.format.bind(self.format.parse(body), request.headers)
         except RequestRejected as rejected:

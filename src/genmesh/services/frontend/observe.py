@@ -8,6 +8,7 @@ Observers keep their own per-request state; with none configured this costs noth
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +28,9 @@ class RequestInfo:
     stream: bool = False
     # One per generation, with their private IDs; empty when refused before dispatch.
     items: list[Envelope] = field(default_factory=list)
+    # The request's headers and body as received (the body once read); for request records.
+    headers: Mapping[str, str] | None = None
+    body: bytes = b""
 
 
 class RequestObserver(Protocol):

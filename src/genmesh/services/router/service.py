@@ -17,7 +17,7 @@ from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.router.policies import Policy, make_policy
-from genmesh.shared import frames
+from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     STREAM_TERMINATOR,
     codec_headers,
@@ -50,6 +50,10 @@ class Router:
         self.policy: Policy = make_policy(policy)
         self.directory = WorkerDirectory(nc, subjects)
         self.decisions: Counter[str] = Counter()
+        # The free eligible workers of the last choice (for its trace span).
+        self.last_candidates: list[WorkerInfo] = []
+        # By error code; read with `decisions` by services/router/metrics.py.
+        self.rejections: Counter[str] = Counter()
         self.heartbeat_interval_s = heartbeat_interval_s
         self._subs: list[Subscription] = []
         self._tasks = TaskOwner(f"router {router_id}")
@@ -98,7 +102,8 @@ class Router:
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _on_query(self, msg: Msg) -> None:
-        await self._announce()
+        if not self._tasks.closed:  # once stopping, a late announce would undo the leave
+            await self._announce()
 
     def choose(self, envelope: Envelope) -> WorkerInfo:
         """The worker for `envelope`, or MeshError (no_worker, not_found, overloaded)."""
@@ -129,17 +134,20 @@ class Router:
             and (envelope.model is None or w.model == envelope.model)
         ]
         if not candidates:
-            excluded_text = ", ".join(sorted(excluded)) or "none"
+            wanted = [f"format {envelope.format!r}"]
+            if envelope.model is not None:
+                wanted.append(f"model {envelope.model!r}")
+            wanted.append(f"excluded: {', '.join(sorted(excluded)) or 'none'}")
             raise MeshError(
                 ErrorCode.NO_WORKER,
-                f"none of the {len(workers)} known workers is eligible (format "
-                f"{envelope.format!r}, model {envelope.model!r}, excluded: {excluded_text})",
+                f"none of the {len(workers)} known workers is eligible ({', '.join(wanted)})",
             )
         free = [w for w in candidates if not w.full]
         if not free:
             raise MeshError(
                 ErrorCode.OVERLOADED, f"all {len(candidates)} eligible workers are at capacity"
             )
+        self.last_candidates = free
         return self.policy.choose(free)
 
     async def _on_request(self, msg: Msg) -> None:
@@ -163,18 +171,27 @@ class Router:
         if not msg.reply:
             log.warning("request %s has no reply subject; dropped", envelope.id)
             return
+        span = tracing.router_span(
+            msg.headers, self.subjects.router_generate, envelope, self.policy.name, self.router_id
+        )
         try:
             worker = self.choose(envelope)
         except MeshError as exc:
+            tracing.rejected(span, exc.code, exc.message)
             await self._reject(msg, codec, envelope.id, exc)
             return
         self.directory.note_sent(worker)
         self.decisions[worker.id] += 1
-        # The original bytes and headers (codec, trace context) go on untouched.
-        await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=msg.headers)
+        # The original bytes and headers (codec) go on untouched, but for the trace context:
+        # with tracing on, this router's span becomes the worker span's parent.
+        headers = msg.headers
+        if span is not None:
+            headers = tracing.routed(span, worker, self.last_candidates, headers)
+        await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=headers)
 
     async def _reject(self, msg: Msg, codec: Codec, rid: str | None, error: MeshError) -> None:
         log.info("request %s not routed: %s: %s", rid, error.code.value, error.message)
+        self.rejections[error.code.value] += 1
         if not msg.reply:
             return
         frame = frames.err(rid, 0, error)

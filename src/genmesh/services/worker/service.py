@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.worker.engines.base import Engine
 from genmesh.services.worker.execute import execute
-from genmesh.shared import frames
+from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     STREAM_TERMINATOR,
     codec_headers,
@@ -69,6 +69,10 @@ class _Active:
     task: asyncio.Task[None] | None = None
     # Why the task is being cancelled: decides the final frame.
     stop_reason: MeshError | None = None
+    # The engine has produced something (until then the request counts as queued).
+    started: bool = False
+    # Its trace span (None while tracing is off), current in its task.
+    span: tracing.FrameSpan | None = None
 
 
 class Worker:
@@ -92,6 +96,10 @@ class Worker:
         # Announced only while the engine is healthy: a worker without an engine is no worker.
         self._engine_up = False
         self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        # For metrics (services/worker/metrics.py): every refusal, engine aborts and errors.
+        self.rejections = 0
+        self.aborts = 0
+        self.engine_errors: Counter[str] = Counter()
 
     @property
     def worker_id(self) -> str:
@@ -101,6 +109,15 @@ class Worker:
     def inflight(self) -> int:
         return len(self._active)
 
+    @property
+    def queued(self) -> int:
+        """Admitted requests the engine has produced nothing for yet."""
+        return sum(not a.started for a in self._active.values())
+
+    @property
+    def engine_up(self) -> bool:
+        return self._engine_up
+
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
@@ -108,7 +125,8 @@ class Worker:
         self._engine_up = await self._engine_healthy()
         if not self._engine_up:
             log.warning("worker %s: waiting for its %s engine", self.worker_id, self.engine.name)
-        self._generate_sub = await self.nc.subscribe(self.subject, cb=self._on_generate)
+        on_generate = self._on_generate if tracing.tracer() is None else self._on_generate_traced
+        self._generate_sub = await self.nc.subscribe(self.subject, cb=on_generate)
         self._subs = [
             self._generate_sub,
             await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
@@ -130,7 +148,8 @@ class Worker:
             # No heartbeat may follow the leave, or routers would take us back.
             self._announcer.cancel()
             await asyncio.gather(self._announcer, return_exceptions=True)
-        await self._leave()
+        # Marked as a drain: requesters keep their streams here, which end or come back.
+        await self._leave(draining=True)
         # No new requests; cancels and pings still work while the rest drains.
         await unsubscribe_quietly(self._generate_sub)
         running = [a.task for a in self._active.values() if a.task is not None]
@@ -200,9 +219,12 @@ class Worker:
                 log.warning("worker %s: engine is down; leaving discovery", self.worker_id)
                 await self._leave()
 
-    async def _leave(self) -> None:
+    async def _leave(self, *, draining: bool = False) -> None:
+        leave: dict[str, Any] = {"id": self.worker_id}
+        if draining:
+            leave["draining"] = True
         try:
-            await publish(self.nc, self.subjects.leave, get_codec(None), {"id": self.worker_id})
+            await publish(self.nc, self.subjects.leave, get_codec(None), leave)
         except Exception as exc:  # NATS may already be gone
             log.debug("could not announce leave: %s", exc)
 
@@ -289,6 +311,9 @@ class Worker:
             )
             return
         active = _Active(envelope, reply, codec, dispatch=new_request_id())
+        active.span = tracing.worker_span(
+            self.subject, envelope, self.worker_id, self.engine.name, active.dispatch
+        )
         self._active[rid] = active
         self.stats["admitted"] += 1
         self._load_changed.set()
@@ -300,10 +325,18 @@ class Worker:
             delay = envelope.deadline - time.time()
             asyncio.get_running_loop().call_later(delay, self._stop_request, active, expired)
 
+    async def _on_generate_traced(self, msg: Msg) -> None:
+        # The requester's trace context is current while the request is admitted or
+        # refused: the worker's span (tracing.worker_span/worker_rejected) is its child.
+        with tracing.remote_parent(msg.headers):
+            await self._on_generate(msg)
+
     async def _reject(
         self, reply: str, codec: Codec, rid: str | None, code: ErrorCode, message: str
     ) -> None:
         log.info("rejected request %s: %s: %s", rid, code.value, message)
+        tracing.worker_rejected(self.subject, self.worker_id, self.engine.name, rid, code, message)
+        self.rejections += 1
         if not reply:
             return
         frame = frames.err(rid, 0, MeshError(code, message))
@@ -314,21 +347,30 @@ class Worker:
             log.warning("could not send rejection for %s: %s", rid, exc)
 
     async def _send(self, active: _Active, frame: frames.Frame) -> None:
-        # Numbered before the first await, so concurrent senders (keep-alives) stay in order.
+        # Numbered and encoded before the first await, so concurrent senders (keep-alives)
+        # stay in order, and a frame that cannot be encoded does not use up its number.
         frame["seq"] = active.seq
+        data = active.codec.encode(frame)
         active.seq += 1
         active.last_sent = time.monotonic()
-        codec = active.codec
-        await self.nc.publish(active.reply, codec.encode(frame), headers=codec_headers(codec))
+        await self.nc.publish(active.reply, data, headers=codec_headers(active.codec))
 
     async def _run(self, active: _Active) -> None:
         rid = active.envelope.id
         last: frames.Frame | None = None
+        if active.span is not None:
+            tracing.enter(active.span)  # the engine's client span is its child
         try:
             try:
                 async for last in execute(self.engine, active.envelope):
+                    active.started = True
                     await self._send(active, last)
+                    if active.span is not None:
+                        active.span.frame(last)
+                if last is not None and last["t"] == frames.ERR:
+                    self.engine_errors[last["code"]] += 1
             except asyncio.CancelledError:
+                self.aborts += 1
                 reason = active.stop_reason or MeshError(
                     ErrorCode.CANCELLED, "request was cancelled"
                 )
@@ -347,6 +389,8 @@ class Worker:
             self._active.pop(rid, None)
             self._load_changed.set()
             self.stats[_outcome(last)] += 1
+            if active.span is not None:
+                active.span.end(last)
 
     def _stop_request(self, active: _Active, reason: MeshError) -> None:
         if active.task is not None and not active.task.done():

@@ -69,7 +69,13 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
                 raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
     if data:  # a last event without its blank line
         payload = b"\n".join(data)
-        yield "[DONE]" if payload == b"[DONE]" else orjson.loads(payload)
+        if payload == b"[DONE]":
+            yield "[DONE]"
+            return
+        try:
+            yield orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
 
 
 def error_message(body: bytes) -> tuple[str, str | None]:

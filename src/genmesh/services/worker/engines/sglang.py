@@ -38,6 +38,7 @@ from genmesh.services.worker.engines.http import (
     sse_events,
     unavailable,
 )
+from genmesh.shared import tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 
@@ -222,7 +223,11 @@ class SglangEngine:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("could not abort %s on %s: %s", rid, self.config.url, exc)
 
-    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+    def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        # With tracing on: under an HTTP client span, which the server hears of (traceparent).
+        return tracing.engine_call(self._generate(env), self.name, self.config.url, "/generate")
+
+    async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         rid = new_dispatch_rid()
         body = sglang_body(env, rid)
         # Once the POST starts the engine may know the rid: from then on, leaving early
@@ -232,20 +237,26 @@ class SglangEngine:
             submitted = True
             try:
                 response = await self.session.post(
-                    f"{self.config.base}/generate", json=body, headers=_SSE
+                    f"{self.config.base}/generate", json=body, headers=tracing.inject_current(_SSE)
                 )
             except aiohttp.ClientConnectionError as exc:
                 done = True
                 raise unavailable(f"cannot reach SGLang at {self.config.url}: {exc}") from None
             except TimeoutError:
-                done = True
+                # The request may have reached the engine: leave done unset, so it is aborted.
                 raise unavailable(f"SGLang at {self.config.url} did not answer in time") from None
             async with response:
                 if response.status != 200:
                     done = True
                     raise await http_error(response, "SGLang")
+                stops = _emulated_stops(env)
+                delivered = 0
                 try:
                     async for out in self._read(response, env):
+                        if stops and out.finish is None and _stop_here(out, stops, env, delivered):
+                            yield out  # ends at a stop token SGLang would not see:
+                            return  # done stays unset, so the engine's run is aborted
+                        delivered += len(out.tokens)
                         done = out.finish is not None
                         yield out
                 except MeshError:
@@ -324,6 +335,33 @@ class SglangEngine:
 _SSE = {"Accept": "text/event-stream"}
 
 
+def _emulated_stops(env: Envelope) -> set[int]:
+    """Stop token ids the adapter must watch itself. SGLang skips stop token ids as well
+    as EOS under ignore_eos; genmesh's canonical stop ids apply regardless (the SGLang
+    format already drops them where its clients expect SGLang's rule)."""
+    return set(env.sampling.stop_token_ids) if env.sampling.ignore_eos else set()
+
+
+def _stop_here(out: EngineOutput, stops: set[int], env: Envelope, delivered: int) -> bool:
+    """Cut `out` after its first stop token (past min tokens) and finish it there."""
+    for i, token in enumerate(out.tokens):
+        if token in stops and delivered + i >= env.sampling.min_tokens:
+            keep = i + 1
+            out.tokens = out.tokens[:keep]
+            if out.logprobs is not None:
+                out.logprobs = out.logprobs[:keep]
+            if out.top_logprobs is not None:
+                out.top_logprobs = out.top_logprobs[:keep]
+            out.finish = {"reason": "stop", "matched": token}
+            out.usage = {
+                "prompt_tokens": len(env.token_ids),
+                "completion_tokens": delivered + keep,
+                "cached_tokens": out.cached_tokens or 0,
+            }
+            return True
+    return False
+
+
 def _finish(finish: Any, delivered: int) -> dict[str, Any]:
     """SGLang's finish reason as genmesh's, or the error it stands for."""
     if not isinstance(finish, dict):
@@ -341,6 +379,11 @@ def _finish(finish: Any, delivered: int) -> dict[str, Any]:
     detail = {"status_code": status, "err_type": err_type}
     if isinstance(status, int) and 400 <= status < 500:
         raise MeshError(ErrorCode.INVALID_ARGUMENT, message, detail=detail)
+    if isinstance(status, int) and status >= 500:
+        # The engine failed (queue full, transfer failed): as with an HTTP 5xx, retry.
+        raise MeshError(
+            ErrorCode.UNAVAILABLE, f"SGLang ended the request: {message}", detail=detail
+        )
     raise MeshError(
         ErrorCode.INTERNAL, f"SGLang ended the request ({kind}): {message}", detail=detail
     )

@@ -51,6 +51,7 @@ from genmesh.services.worker.engines.http import (
     sse_events,
     unavailable,
 )
+from genmesh.shared import tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 
@@ -504,7 +505,16 @@ class VllmEngine:
             if response is not None:
                 response.close()
 
-    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+    def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        # With tracing on: under an HTTP client span, which the server hears of (traceparent).
+        return tracing.engine_call(self._generate(env), self.name, self.config.url, GENERATE_PATH)
+
+    async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        if env.output.routed_experts_start is not None:
+            # Say so rather than answer without them.
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT, "this vLLM engine does not report routed experts"
+            )
         dispatch_id = new_dispatch_id()
         body, headers = vllm_request(env, dispatch_id, self._model)
         parser = _Parser(env)
@@ -517,7 +527,9 @@ class VllmEngine:
         try:
             submitted = True
             try:
-                response = await self.session.post(url, json=body, headers=headers)
+                response = await self.session.post(
+                    url, json=body, headers=tracing.inject_current(headers)
+                )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 done = True  # never reached the server
                 raise unavailable(f"cannot reach vLLM at {self.config.url}: {exc}") from None

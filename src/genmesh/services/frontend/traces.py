@@ -1,0 +1,119 @@
+"""The frontend's part of a request's trace, as an observer (observe.py).
+
+Each HTTP request gets a SERVER span, a child of the caller's `traceparent` if it sent one.
+The span is made current in the handler's task from `request()` to `finished()` (the
+handler calls both in its own task), so the dispatch attempts that `MeshClient` starts for
+the request, one CLIENT span each, are its children, migrations included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from genmesh.client import MIG
+from genmesh.services.frontend.observe import RequestInfo
+from genmesh.shared import frames, tracing
+from genmesh.shared.errors import ErrorCode
+
+MIGRATION = "migration"
+
+
+class TraceObserver:
+    """Add to `FrontendState.observers` only while tracing is on (`tracing.tracer()`)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+
+    def request(self, info: RequestInfo) -> RequestTrace:
+        return RequestTrace(self.tracer, info)
+
+
+class RequestTrace:
+    __slots__ = ("_token", "items", "span", "tokens")
+
+    def __init__(self, tracer: Tracer, info: RequestInfo) -> None:
+        parent = tracing.extract(info.headers)
+        self.span: Span = tracer.start_span(
+            f"{info.method} {info.endpoint}", parent, kind=SpanKind.SERVER
+        )
+        if self.span.is_recording():
+            self.span.set_attributes(
+                {
+                    "http.request.method": info.method,
+                    "http.route": info.endpoint,
+                    "url.path": info.endpoint,
+                    tracing.FORMAT: info.format,
+                }
+            )
+        self.tokens = 0
+        self.items = 1
+        # Detached in finished(), which the handler calls in this same task.
+        self._token = otel_context.attach(trace.set_span_in_context(self.span, parent))
+
+    def dispatched(self, info: RequestInfo) -> None:
+        self.items = len(info.items)
+        span = self.span
+        if not span.is_recording():
+            return
+        attributes: dict[str, Any] = {"genmesh.stream": info.stream, "genmesh.items": self.items}
+        if info.items:
+            attributes[tracing.REQUEST_ID] = info.items[0].id
+        if info.public_id is not None:
+            attributes["genmesh.public_id"] = info.public_id
+        if info.client_id is not None:
+            attributes[tracing.CLIENT_ID] = info.client_id
+        span.set_attributes(attributes)
+
+    def frame(self, index: int, frame: frames.Frame) -> None:
+        kind = frame["t"]
+        if kind == frames.OUT or kind == frames.END:
+            tokens = frame.get("tokens")
+            if tokens:
+                if not self.tokens:
+                    self.span.add_event(tracing.FIRST_TOKEN)
+                self.tokens += len(tokens)
+            if kind == frames.END and self.span.is_recording():
+                finish = frame.get("finish")
+                reason = finish.get("reason") if isinstance(finish, dict) else None
+                attributes: dict[str, Any] = {"genmesh.item": index}
+                if isinstance(reason, str):
+                    attributes[tracing.FINISH_REASON] = reason
+                    if self.items == 1:
+                        self.span.set_attribute(tracing.FINISH_REASON, reason)
+                self.span.add_event(tracing.FINISH, attributes)
+        elif kind == MIG and self.span.is_recording():
+            self.span.add_event(
+                MIGRATION,
+                {
+                    "genmesh.item": index,
+                    tracing.ATTEMPT: int(frame.get("attempt") or 0),
+                    "genmesh.reason": str(frame.get("reason") or ""),
+                    "genmesh.from_worker": str(frame.get("from_worker") or ""),
+                    "genmesh.delivered": int(frame.get("delivered") or 0),
+                },
+            )
+
+    def finished(self, status: int, error_type: str | None) -> None:
+        span = self.span
+        try:
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", status)
+                span.set_attribute(tracing.TOKENS_OUTPUT, self.tokens)
+                if error_type is not None:
+                    span.set_attribute(tracing.GENMESH_ERROR_TYPE, error_type)
+                # As for any HTTP server span: 5xx is an error, 4xx the client's (499: it
+                # went away). A stream that failed after its 200 is an error too.
+                failed_in_band = status < 400 and error_type not in (
+                    None,
+                    ErrorCode.CANCELLED.value,
+                )
+                if status >= 500 or failed_in_band:
+                    span.set_attribute(tracing.ERROR_TYPE, error_type or str(status))
+                    span.set_status(Status(StatusCode.ERROR, error_type or str(status)))
+            span.end()
+        finally:
+            otel_context.detach(self._token)

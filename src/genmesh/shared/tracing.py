@@ -1,0 +1,532 @@
+"""OpenTelemetry traces: one trace per request, one span per hop, W3C context in NATS headers.
+
+Configured only through the standard `OTEL_*` variables, once per process, by `configure`
+(each service's serve function calls it):
+
+- `OTEL_SDK_DISABLED=true`: off.
+- `OTEL_TRACES_EXPORTER`: comma-separated `otlp` (OTLP over HTTP/protobuf), `console` (one
+  JSON object per span on stdout), `none`. Unset: `otlp` if `OTEL_EXPORTER_OTLP_ENDPOINT` or
+  `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else off.
+- `OTEL_SERVICE_NAME` (default `genmesh-<role>`), `OTEL_RESOURCE_ATTRIBUTES`,
+  `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_*` and `OTEL_PROPAGATORS`
+  are read by the SDK as usual. The base endpoint gets `/v1/traces` appended; the
+  `..._TRACES_ENDPOINT` one is used verbatim.
+
+Off, `tracer()` is None and every call site skips its tracing code at once: no span, no
+header, no attribute is ever built, and the SDK is not even imported.
+
+Spans are never current across an `await` that hands control to a caller (generators):
+they are parents by explicit context, except where a task owns the span for its whole life
+(the worker's request task, an engine call's steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from genmesh import __version__
+from genmesh.shared import frames
+from genmesh.shared.errors import ErrorCode, MeshError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from genmesh.services.worker.engines.base import EngineOutput
+    from genmesh.shared.discovery import WorkerInfo
+    from genmesh.shared.envelope import Envelope
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "genmesh"
+EXPORTERS = ("otlp", "console", "none")
+
+# Attribute names: OpenTelemetry semantic conventions where they exist, genmesh.* otherwise.
+MESSAGING_SYSTEM = "messaging.system"
+MESSAGING_DESTINATION = "messaging.destination.name"
+MESSAGING_OPERATION = "messaging.operation.name"
+MESSAGING_OPERATION_TYPE = "messaging.operation.type"
+ERROR_TYPE = "error.type"
+REQUEST_ID = "genmesh.request_id"  # private: the ID inside the mesh, never sent to clients
+CLIENT_ID = "genmesh.client_id"
+FORMAT = "genmesh.format"
+ATTEMPT = "genmesh.attempt"
+WORKER = "genmesh.worker"
+DISPATCH_ID = "genmesh.dispatch_id"
+ROUTER = "genmesh.router"
+ROUTER_POLICY = "genmesh.router.policy"
+ROUTER_CANDIDATES = "genmesh.router.candidates"
+ROUTER_CANDIDATE_IDS = "genmesh.router.candidate_ids"
+ENGINE = "genmesh.engine"
+TOKENS_OUTPUT = "genmesh.tokens.output"
+FINISH_REASON = "genmesh.finish_reason"
+GENMESH_ERROR_TYPE = "genmesh.error_type"
+# Span events: tokens are never a span each.
+FIRST_TOKEN = "first_token"
+FINISH = "finish"
+# At most this many worker ids in a list attribute.
+MAX_LISTED = 32
+
+_tracer: Tracer | None = None
+_provider: TracerProvider | None = None
+_configured = False
+
+
+def tracer() -> Tracer | None:
+    """genmesh's tracer, or None when tracing is off (then call sites do nothing)."""
+    return _tracer
+
+
+def exporter_names(environ: Mapping[str, str]) -> list[str]:
+    """The span exporters the `OTEL_*` variables ask for (empty: tracing is off)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    raw = environ.get("OTEL_TRACES_EXPORTER", "").strip()
+    if not raw:
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        return ["otlp"] if endpoint else []
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    for name in names:
+        if name not in EXPORTERS:
+            raise ValueError(
+                f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (genmesh has otlp, console, none)"
+            )
+    if "otlp" in names:
+        protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get(
+            "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
+        )
+        if protocol.strip().lower() != "http/protobuf":
+            raise ValueError(
+                f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: genmesh exports OTLP over "
+                "http/protobuf only"
+            )
+    return [n for n in names if n != "none"]
+
+
+def configure(
+    role: str,
+    *,
+    instance_id: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    console: Any = None,
+) -> bool:
+    """Set up tracing for this process from the `OTEL_*` variables; True if it is on.
+
+    Once per process: later calls change nothing. Raises ValueError for a setting genmesh
+    cannot honour (an unknown exporter, OTLP over gRPC). `console`: where the console
+    exporter writes (default stdout).
+    """
+    global _configured
+    if _configured:
+        return _tracer is not None
+    env = os.environ if environ is None else environ
+    names = exporter_names(env)
+    _configured = True
+    if not names:
+        return False
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    attributes: dict[str, str] = {"service.version": __version__}
+    if instance_id:
+        attributes["service.instance.id"] = instance_id
+    resource = Resource.create(attributes)  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: f"genmesh-{role}"}))
+    provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER
+    for name in names:
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter: Any = OTLPSpanExporter()  # OTEL_EXPORTER_OTLP_*
+        else:
+            exporter = ConsoleSpanExporter(out=console or sys.stdout)
+        provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_*
+    trace.set_tracer_provider(provider)
+    install(provider)
+    log.info(
+        "tracing on: %s, exporting to %s",
+        resource.attributes.get(SERVICE_NAME),
+        ", ".join(names),
+    )
+    return True
+
+
+@contextlib.asynccontextmanager
+async def running(
+    role: str, instance_id: str | None = None, *, console: Any = None
+) -> AsyncIterator[bool]:
+    """`configure` for a service's lifetime; on the way out, export what is left (in a
+    thread: the OTLP exporter blocks)."""
+    on = configure(role, instance_id=instance_id, console=console)
+    try:
+        yield on
+    finally:
+        if on:
+            await asyncio.to_thread(shutdown)
+
+
+def install(provider: TracerProvider | None) -> None:
+    """Trace through `provider` (None: tracing off), whatever `configure` did. For tests
+    and for programs that embed genmesh with their own provider."""
+    global _tracer, _provider
+    _provider = provider
+    _tracer = None if provider is None else provider.get_tracer(TRACER_NAME, __version__)
+
+
+def shutdown() -> None:
+    """Export what is still buffered and stop (on service stop). Blocks up to the
+    exporter's timeout."""
+    global _tracer, _provider
+    provider, _provider, _tracer = _provider, None, None
+    if provider is not None:
+        try:
+            provider.shutdown()
+        except Exception as exc:  # never let tracing spoil a clean stop
+            log.warning("tracing shutdown failed: %s", exc)
+
+
+# --------------------------------------------------------------------- propagation
+
+
+class HeaderGetter(Getter[Mapping[str, str]]):
+    """Reads NATS (or HTTP) headers case-insensitively: nats-py keeps the sender's case,
+    and other clients may well send `Traceparent`."""
+
+    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        if value is not None:
+            return [value]
+        low = key.lower()
+        found = [v for k, v in carrier.items() if k.lower() == low]
+        return found or None
+
+    def keys(self, carrier: Mapping[str, str]) -> list[str]:
+        return list(carrier)
+
+
+GETTER = HeaderGetter()
+
+
+def extract(headers: Mapping[str, str] | None) -> Context:
+    """The trace context that `headers` carry (an empty one when none)."""
+    return propagate.extract(headers or {}, getter=GETTER)
+
+
+def inject(
+    headers: Mapping[str, str] | None, span: Span, parent: Context | None = None
+) -> dict[str, str]:
+    """A copy of `headers` carrying `span`'s context (`traceparent`, and `tracestate` and
+    `baggage` of `parent`), replacing those keys in whatever case they came."""
+    fields = {f.lower() for f in propagate.get_global_textmap().fields}
+    out = {k: v for k, v in (headers or {}).items() if k.lower() not in fields}
+    propagate.inject(out, context=trace.set_span_in_context(span, parent))
+    return out
+
+
+def inject_current(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` plus the current trace context, for an outgoing HTTP call; `headers`
+    itself when tracing is off."""
+    if _tracer is None:
+        return headers
+    out = dict(headers)
+    propagate.inject(out)
+    return out
+
+
+def nats_attributes(subject: str, operation: str, operation_type: str) -> dict[str, Any]:
+    return {
+        MESSAGING_SYSTEM: "nats",
+        MESSAGING_DESTINATION: subject,
+        MESSAGING_OPERATION: operation,
+        MESSAGING_OPERATION_TYPE: operation_type,
+    }
+
+
+def attempt_of(envelope: Envelope) -> int:
+    return envelope.continuation.attempt if envelope.continuation is not None else 1
+
+
+def fail(span: Span, code: str, message: str) -> None:
+    """Mark `span` as failed with a genmesh error code (a cancellation is no error)."""
+    span.set_attribute(GENMESH_ERROR_TYPE, code)
+    if code != ErrorCode.CANCELLED.value:
+        span.set_attribute(ERROR_TYPE, code)
+        span.set_status(Status(StatusCode.ERROR, message))
+
+
+# --------------------------------------------------------------------- spans over frames
+
+
+class FrameSpan:
+    """A span over one stream of reply frames (an attempt, a worker's run): the first
+    token and the finish are events, the token count an attribute, an `err` frame marks it
+    ERROR. Ends once."""
+
+    __slots__ = ("_ended", "span", "tokens")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self.tokens = 0
+        self._ended = False
+
+    def frame(self, frame: frames.Frame) -> None:
+        """Note a frame of the stream; a terminal one ends the span."""
+        kind = frame["t"]
+        if kind == frames.OUT or kind == frames.END:
+            tokens = frame.get("tokens")
+            if tokens:
+                if not self.tokens:
+                    self.span.add_event(FIRST_TOKEN)
+                self.tokens += len(tokens)
+        elif kind == frames.ACK and self.span.is_recording():
+            worker, dispatch = frame.get("worker"), frame.get("dispatch")
+            if isinstance(worker, str):
+                self.span.set_attribute(WORKER, worker)
+            if isinstance(dispatch, str):
+                self.span.set_attribute(DISPATCH_ID, dispatch)
+        if kind == frames.END or kind == frames.ERR:
+            self.end(frame)
+
+    def end(self, last: frames.Frame | None = None, error_type: str | None = None) -> None:
+        """End with the stream's terminal frame, or `error_type` when it had none."""
+        if self._ended:
+            return
+        self._ended = True
+        span = self.span
+        if span.is_recording():
+            span.set_attribute(TOKENS_OUTPUT, self.tokens)
+            kind = None if last is None else last["t"]
+            if kind == frames.END:
+                assert last is not None
+                finish = last.get("finish")
+                reason = finish.get("reason") if isinstance(finish, dict) else None
+                attributes: dict[str, Any] = {TOKENS_OUTPUT: self.tokens}
+                if isinstance(reason, str):
+                    attributes[FINISH_REASON] = reason
+                    span.set_attribute(FINISH_REASON, reason)
+                span.add_event(FINISH, attributes)
+            elif kind == frames.ERR:
+                assert last is not None
+                fail(span, str(last.get("code")), str(last.get("message") or ""))
+            elif error_type is not None:
+                fail(span, error_type, error_type)
+        span.end()
+
+
+def attempt_span(envelope: Envelope, subject: str) -> FrameSpan | None:
+    """One dispatch attempt of a requester (MeshClient), a child of the current span."""
+    if _tracer is None:
+        return None
+    span = _tracer.start_span(f"send {subject}", kind=SpanKind.CLIENT)
+    if span.is_recording():
+        span.set_attributes(nats_attributes(subject, "send", "send"))
+        span.set_attribute(REQUEST_ID, envelope.id)
+        span.set_attribute(ATTEMPT, attempt_of(envelope))
+        span.set_attribute(FORMAT, envelope.format)
+    return FrameSpan(span)
+
+
+@contextlib.contextmanager
+def remote_parent(headers: Mapping[str, str] | None) -> Iterator[None]:
+    """Make the trace context that `headers` carry current for the block (a message
+    callback: spans started inside, and tasks spawned inside, become its children)."""
+    token = otel_context.attach(extract(headers))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def _worker_span(
+    subject: str, worker: str, engine: str, request_id: str | None
+) -> tuple[Span, bool]:
+    assert _tracer is not None
+    span = _tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
+    recording = span.is_recording()
+    if recording:
+        span.set_attributes(nats_attributes(subject, "process", "process"))
+        span.set_attribute(WORKER, worker)
+        span.set_attribute(ENGINE, engine)
+        if request_id is not None:
+            span.set_attribute(REQUEST_ID, request_id)
+    return span, recording
+
+
+def worker_span(
+    subject: str, envelope: Envelope, worker: str, engine: str, dispatch: str
+) -> FrameSpan | None:
+    """A worker's span for a request it admitted, a child of the current context (the
+    requester's, through `remote_parent`). Current in the request's task (`enter`)."""
+    if _tracer is None:
+        return None
+    span, recording = _worker_span(subject, worker, engine, envelope.id)
+    if recording:
+        span.set_attribute(DISPATCH_ID, dispatch)
+        span.set_attribute(ATTEMPT, attempt_of(envelope))
+        span.set_attribute(FORMAT, envelope.format)
+    return FrameSpan(span)
+
+
+def worker_rejected(
+    subject: str, worker: str, engine: str, request_id: str | None, code: ErrorCode, message: str
+) -> None:
+    """A worker's span for a request it refused: ERROR, and over at once."""
+    if _tracer is None:
+        return
+    span, recording = _worker_span(subject, worker, engine, request_id)
+    if recording:
+        fail(span, code.value, message)
+    span.end()
+
+
+def enter(span: FrameSpan) -> None:
+    """Make `span` current for the rest of the calling task, which owns it (a worker's
+    request task): the task's context is its own copy, so nothing leaks out."""
+    otel_context.attach(trace.set_span_in_context(span.span))
+
+
+def router_span(
+    headers: Mapping[str, str] | None, subject: str, envelope: Envelope, policy: str, router: str
+) -> Span | None:
+    """A router's span for one request, a child of the requester's span in `headers`."""
+    if _tracer is None:
+        return None
+    span = _tracer.start_span(f"process {subject}", extract(headers), kind=SpanKind.CONSUMER)
+    if span.is_recording():
+        span.set_attributes(nats_attributes(subject, "process", "process"))
+        span.set_attribute(ROUTER, router)
+        span.set_attribute(ROUTER_POLICY, policy)
+        span.set_attribute(REQUEST_ID, envelope.id)
+        span.set_attribute(ATTEMPT, attempt_of(envelope))
+        span.set_attribute(FORMAT, envelope.format)
+    return span
+
+
+def routed(
+    span: Span,
+    worker: WorkerInfo,
+    candidates: list[WorkerInfo],
+    headers: Mapping[str, str] | None,
+) -> dict[str, str]:
+    """End the router's span with its decision (the worker, among how many free eligible
+    ones); the forward's headers, carrying the span's context (the requester's baggage
+    kept), so that the worker's span is its child."""
+    if span.is_recording():
+        span.set_attribute(WORKER, worker.id)
+        span.set_attribute(ROUTER_CANDIDATES, len(candidates))
+        span.set_attribute(ROUTER_CANDIDATE_IDS, [w.id for w in candidates[:MAX_LISTED]])
+    forwarded = inject(headers, span, extract(headers))
+    span.end()
+    return forwarded
+
+
+def rejected(span: Span | None, code: ErrorCode, message: str) -> None:
+    """End a span whose request was refused."""
+    if span is not None:
+        if span.is_recording():
+            fail(span, code.value, message)
+        span.end()
+
+
+# --------------------------------------------------------------------- engine calls
+
+
+def engine_call(
+    outputs: AsyncGenerator[EngineOutput, None], engine: str, url: str, path: str
+) -> AsyncGenerator[EngineOutput, None]:
+    """An HTTP engine's outputs under a CLIENT span `POST <path>`, a child of the current
+    span (the worker's); `outputs` itself when tracing is off. The span is current while
+    the adapter runs, so `inject_current` gives the engine its `traceparent`."""
+    tr = _tracer
+    if tr is None:
+        return outputs
+    span = tr.start_span(f"POST {path}", kind=SpanKind.CLIENT)
+    if span.is_recording():
+        parts = urlsplit(url.rstrip("/") + path)
+        span.set_attributes(
+            {
+                "http.request.method": "POST",
+                "url.full": parts.geturl(),
+                "url.template": path,
+                "server.address": parts.hostname or "",
+                "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+                ENGINE: engine,
+            }
+        )
+    return _engine_call(outputs, span)
+
+
+async def _engine_call(
+    outputs: AsyncGenerator[EngineOutput, None], span: Span
+) -> AsyncGenerator[EngineOutput, None]:
+    ctx = trace.set_span_in_context(span)
+    recording = span.is_recording()
+    tokens = 0
+    answered = finished = False
+    try:
+        while True:
+            # Current only while the adapter runs: each step attaches and detaches in
+            # this task, so the worker's own code between steps never sees it.
+            token = otel_context.attach(ctx)
+            try:
+                out = await outputs.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                otel_context.detach(token)
+            if not answered:
+                answered = True
+                if recording:
+                    span.set_attribute("http.response.status_code", 200)
+            if out.tokens and not tokens:
+                span.add_event(FIRST_TOKEN)
+            tokens += len(out.tokens)
+            if out.finish is not None:
+                finished = True
+                if recording:
+                    reason = out.finish.get("reason")
+                    if isinstance(reason, str):
+                        span.set_attribute(FINISH_REASON, reason)
+                    span.add_event(FINISH, {TOKENS_OUTPUT: tokens})
+            yield out
+    except MeshError as exc:
+        if recording:
+            status = (exc.detail or {}).get("status_code")
+            if isinstance(status, int):
+                span.set_attribute("http.response.status_code", status)
+            fail(span, exc.code.value, exc.message)
+        raise
+    except Exception as exc:
+        if recording:
+            span.record_exception(exc)
+            fail(span, ErrorCode.INTERNAL.value, repr(exc))
+        raise
+    except BaseException:  # cancelled, or closed by the worker
+        if recording and not finished:
+            span.set_attribute(GENMESH_ERROR_TYPE, ErrorCode.CANCELLED.value)
+        raise
+    finally:
+        token = otel_context.attach(ctx)
+        try:
+            await outputs.aclose()  # the adapter's abort, if any, under this span too
+        finally:
+            otel_context.detach(token)
+            if recording:
+                span.set_attribute(TOKENS_OUTPUT, tokens)
+            span.end()
