@@ -82,6 +82,8 @@ class Mesh:
     namespace: str = "test"
     services: list[Service] = field(default_factory=list)
     http_port: int = 0
+    # Variables for every genmesh process of the mesh (e.g. OTEL_*), under per-call `env`.
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def http_url(self) -> str:
@@ -96,7 +98,11 @@ class Mesh:
             "--nats-url", self.nats_url, "--namespace", self.namespace,
             "--log-level", "debug", *args,
         ]  # fmt: skip
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
+        # Neither the runner's GENMESH_ settings nor its OTEL_ (tracing) ones leak in.
+        environment = {
+            k: v for k, v in os.environ.items() if not k.startswith(("GENMESH_", "OTEL_"))
+        }
+        environment.update(self.env)
         environment.update(env or {})
         with log_path.open("wb") as log:
             process = subprocess.Popen(
@@ -110,9 +116,11 @@ class Mesh:
         self.services.append(service)
         return service
 
-    def add_router(self, policy: str = "round_robin", *, wait: bool = True) -> Service:
+    def add_router(
+        self, policy: str = "round_robin", *, wait: bool = True, extra_args: tuple[str, ...] = ()
+    ) -> Service:
         n = sum(s.role == "router" for s in self.services)
-        service = self._spawn("router", f"router{n}", ["--router-policy", policy])
+        service = self._spawn("router", f"router{n}", ["--router-policy", policy, *extra_args])
         if wait:
             self.wait_for_router(service)
         return service
@@ -142,6 +150,7 @@ class Mesh:
         testkit_faults: bool = False,
         drain_timeout: float | None = None,
         wait: bool = True,
+        extra_args: tuple[str, ...] = (),
     ) -> Service:
         wid = worker_id or new_worker_id()
         args = ["--worker-id", wid, "--mock-speedup", str(speedup), "--engine", engine]
@@ -159,7 +168,7 @@ class Mesh:
             args += ["--max-concurrency", str(max_concurrency)]
         if heartbeat is not None:
             args += ["--heartbeat-interval", str(heartbeat)]
-        service = self._spawn("worker", wid, args)
+        service = self._spawn("worker", wid, [*args, *extra_args])
         if wait and self.http_port:
             self.wait_for_workers(lambda ids: wid in ids, what=f"worker {wid} to be known")
         return service
@@ -204,13 +213,14 @@ class Mesh:
     def spawn_engine_server(self, engine: str, *extra: str) -> tuple[Service, str]:
         """A mock SGLang/vLLM server process (`genmesh testkit`); returns it and its URL."""
         port = free_port()
-        log_path = self.workdir / f"{engine}-server.log"
+        name = f"{engine}-server{sum(s.role == 'engine' for s in self.services)}"
+        log_path = self.workdir / f"{name}.log"
         args = [sys.executable, "-m", "genmesh", "testkit", engine, "--port", str(port), *extra]
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
-        service = Service("engine", f"{engine}-server", args, log_path, process)
+        service = Service("engine", name, args, log_path, process)
         self.services.append(service)
         url = f"http://127.0.0.1:{port}"
         wait_until(

@@ -13,7 +13,8 @@ frames with `"origin": "client"`. Leaving the loop early, or cancelling the task
 a cancel so the engine stops.
 
 When a worker fails with a retryable error (it died, its engine broke, it was drained,
-it went silent and no longer answers pings, or discovery dropped it), the client
+it went silent and no longer answers pings or answers that it no longer runs the request,
+or discovery dropped it), the client
 *migrates* the request: it re-dispatches a continuation (`genmesh.shared.migration`)
 elsewhere and yields a `mig` frame (`{"t": "mig", "attempt", "reason", "from_worker",
 "delivered"}`, made by the client, never on the wire) before the new attempt's frames.
@@ -40,8 +41,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.shared import frames
+from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
+    PING_NOT_RUNNING,
     codec_headers,
     connect,
     is_no_responders,
@@ -195,6 +197,7 @@ class MeshClient:
             queue.put_nowait(msg)
 
     def _on_directory_change(self, event: str, worker: WorkerInfo) -> None:
+        # Not on "draining": a draining worker lets its requests finish, or hands them back.
         if event != "removed":
             return
         for token in self._by_worker.pop(worker.id, set()):
@@ -234,8 +237,13 @@ class MeshClient:
         while True:
             failure: frames.Frame | None = None
             worker: str | None = None
-            async with contextlib.aclosing(self._attempt(env, subject, deadline)) as stream:
+            # A span per attempt (a child of the caller's current span), ended by its
+            # terminal frame, or by _attempt when the attempt is left without one.
+            span = tracing.attempt_span(env, subject or self.subjects.router_generate)
+            async with contextlib.aclosing(self._attempt(env, subject, deadline, span)) as stream:
                 async for frame in stream:
+                    if span is not None:
+                        span.frame(frame)
                     kind = frame["t"]
                     if kind == frames.ACK:
                         worker = frame.get("worker")
@@ -277,7 +285,11 @@ class MeshClient:
             }
 
     async def _attempt(
-        self, envelope: Envelope, subject: str | None, deadline: float | None
+        self,
+        envelope: Envelope,
+        subject: str | None,
+        deadline: float | None,
+        span: tracing.FrameSpan | None = None,
     ) -> AsyncGenerator[frames.Frame, None]:
         """One dispatch: its frames, ending with one terminal frame (maybe made up here)."""
         rid = envelope.id
@@ -296,10 +308,11 @@ class MeshClient:
                     rid, ErrorCode.INVALID_ARGUMENT, f"the request cannot be encoded: {exc}"
                 )
                 return
+            headers = codec_headers(self.codec)
+            if span is not None:  # the router's and worker's spans become its children
+                headers = tracing.inject(headers, span.span)
             try:
-                await self.nc.publish(
-                    target, data, reply=f"{self._inbox}.{token}", headers=codec_headers(self.codec)
-                )
+                await self.nc.publish(target, data, reply=f"{self._inbox}.{token}", headers=headers)
             except NatsError as exc:  # closed, draining, or the reconnect buffer is full
                 finished = True  # nothing went out, nothing to cancel
                 yield frames.synthetic_err(
@@ -309,7 +322,7 @@ class MeshClient:
             expected_seq = 0
             silent_since = asyncio.get_running_loop().time()
             while True:
-                item = await self._next(queue, expected_seq, worker, silent_since, deadline)
+                item = await self._next(rid, queue, expected_seq, worker, silent_since, deadline)
                 if item is None:
                     continue  # the silent worker answered a ping: keep waiting
                 if isinstance(item, dict):  # made up here: timeout, deadline, worker gone
@@ -334,8 +347,12 @@ class MeshClient:
                 return
         finally:
             self._streams.pop(token, None)
-            if worker is not None:
-                self._by_worker.get(worker, set()).discard(token)
+            if worker is not None and (tokens := self._by_worker.get(worker)) is not None:
+                tokens.discard(token)
+                if not tokens:  # no entry outlives its streams (drained workers are not
+                    del self._by_worker[worker]  # "removed", so nothing else drops it)
+            if span is not None:
+                span.end(error_type=ErrorCode.CANCELLED.value)  # unless a frame ended it
             if not finished:
                 try:
                     await self.cancel(rid)
@@ -344,6 +361,7 @@ class MeshClient:
 
     async def _next(
         self,
+        rid: str,
         queue: asyncio.Queue[Msg | frames.Frame],
         expected_seq: int,
         worker: str | None,
@@ -375,21 +393,30 @@ class MeshClient:
             what = "sent a frame" if acked else "acknowledged the request"
             message = f"no worker {what} within {window:g}s"
             return frames.synthetic_err("", ErrorCode.UNAVAILABLE, message)
-        if worker is not None and not await self._alive(worker):
-            message = f"worker {worker} is gone (its ping subject has no responders)"
-            return frames.synthetic_err("", ErrorCode.UNAVAILABLE, message)
+        # The ping waits no longer than the deadline allows (the next round reports it).
+        ping_timeout = PING_TIMEOUT_S if deadline is None else min(PING_TIMEOUT_S, deadline - now)
+        if worker is None or ping_timeout <= 0:
+            return None
+        failure = await self._ping(worker, rid, ping_timeout)
+        if failure is not None and queue.empty():  # a frame that came meanwhile wins
+            return frames.synthetic_err("", ErrorCode.UNAVAILABLE, failure)
         return None
 
-    async def _alive(self, worker: str) -> bool:
-        """Ping a silent worker. Only "nobody is subscribed" means dead: a slow answer is a
-        busy worker, and that is what the idle timeout is for."""
+    async def _ping(self, worker: str, rid: str, timeout: float) -> str | None:
+        """Ask a silent worker about request `rid`: None while it may still run it, else why
+        the stream is dead. Only "nobody is subscribed" means the worker is gone, and only
+        "not running" means the stream's last frames were lost (say, in a NATS outage): a
+        slow answer is a busy worker, and that is what the idle timeout is for."""
+        subject = self.subjects.worker_ping(worker)
         try:
-            await self.nc.request(self.subjects.worker_ping(worker), b"", timeout=PING_TIMEOUT_S)
+            reply = await self.nc.request(subject, rid.encode(), timeout=timeout)
         except NoRespondersError:
-            return False
+            return f"worker {worker} is gone (its ping subject has no responders)"
         except (NatsTimeoutError, NatsError):
-            return True
-        return True
+            return None
+        if reply.data == PING_NOT_RUNNING:
+            return f"worker {worker} no longer runs the request (its last frames were lost)"
+        return None
 
     def _read(self, rid: str, msg: Msg, target: str, expected_seq: int) -> frames.Frame:
         """Decode and check one reply; problems become a terminal `err` frame."""

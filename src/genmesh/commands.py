@@ -49,8 +49,39 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                 migration_limit=args.migration_limit,
                 ping_after_s=args.ping_after,
                 request_timeout_s=args.request_timeout or None,
+                records=_records_config(args),
             )
         )
+    )
+
+
+def _records_config(args: argparse.Namespace) -> Any:
+    from genmesh.records.observer import RecordsConfig
+
+    return RecordsConfig(
+        path=args.request_trace or None,
+        payload=args.request_trace_payload,
+        nats=args.request_trace_nats,
+        roll_mb=args.request_trace_roll_mb,
+        roll_lines=args.request_trace_roll_lines,
+        block_size=args.request_trace_block_size,
+    )
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    if args.trace_command == "check":
+        from genmesh.records.check import main_check
+
+        return main_check(args.files, expect=args.expect, as_json=args.json)
+    from genmesh.records.replay import main_replay
+
+    return main_replay(
+        args.files,
+        url=args.url,
+        concurrency=args.concurrency,
+        timeout_s=args.timeout,
+        as_json=args.json,
+        progress=not args.no_progress,
     )
 
 
@@ -58,7 +89,15 @@ def cmd_router(args: argparse.Namespace) -> int:
     from genmesh.services.run import configure_logging, serve_router
 
     configure_logging(args.log_level, "router")
-    return _run_service(serve_router(args.nats_url, args.namespace, args.router_policy))
+    return _run_service(
+        serve_router(
+            args.nats_url,
+            args.namespace,
+            args.router_policy,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+        )
+    )
 
 
 def mock_config(args: argparse.Namespace) -> Any:
@@ -96,7 +135,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     return _run_service(
         serve_worker(
-            args.nats_url, args.namespace, engine, config, testkit_faults=args.testkit_faults
+            args.nats_url,
+            args.namespace,
+            engine,
+            config,
+            testkit_faults=args.testkit_faults,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
         )
     )
 
@@ -199,7 +244,12 @@ def cmd_request(args: argparse.Namespace) -> int:
 
 async def _request(args: argparse.Namespace, envelope: Any) -> int:
     from genmesh.client import MeshClient
+    from genmesh.shared import tracing
 
+    try:  # OTEL_* variables: the request's attempts are a trace (console spans: stderr)
+        tracing.configure("client", console=sys.stderr)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         client = await MeshClient.connect(
             args.nats_url, args.namespace, codec=args.codec, idle_timeout_s=args.timeout
@@ -207,7 +257,7 @@ async def _request(args: argparse.Namespace, envelope: Any) -> int:
     except (NatsUnreachable, LookupError) as exc:
         return _fail(str(exc))
     status = 1
-    async with client:
+    async with client, tracing.running("client"):
         async for frame in client.generate(envelope):
             print(json.dumps(frame), flush=True)
             if frame["t"] == "end":

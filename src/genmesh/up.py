@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import signal
 import sys
 import time
@@ -152,6 +153,13 @@ async def _up(args: argparse.Namespace) -> int:
         "--mock-eos-token-id", str(args.mock_eos_token_id),
         "--mock-max-model-len", str(args.mock_max_model_len),
     ]  # fmt: skip
+    # Explicit on every child, so an inherited GENMESH_METRICS_PORT cannot make them collide.
+    metrics_ports = itertools.count(args.metrics_port)
+
+    def metrics_args() -> list[str]:
+        port = next(metrics_ports) if args.metrics_port else 0
+        return ["--metrics-host", args.metrics_host, "--metrics-port", str(port)]
+
     children: list[Child] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -161,14 +169,18 @@ async def _up(args: argparse.Namespace) -> int:
         for i in range(args.routers):
             children.append(
                 await _spawn(
-                    "router", f"router {i + 1}", [*common, "--router-policy", args.router_policy]
+                    "router",
+                    f"router {i + 1}",
+                    [*common, "--router-policy", args.router_policy, *metrics_args()],
                 )
             )
         for plan in plans:
             wid = new_worker_id()
             children.append(
                 await _spawn(
-                    "worker", f"worker {wid}", [*common, "--worker-id", wid, *worker_args, *plan]
+                    "worker",
+                    f"worker {wid}",
+                    [*common, "--worker-id", wid, *worker_args, *plan, *metrics_args()],
                 )
             )
         children.append(
@@ -217,7 +229,7 @@ def _print_summary(
             lines.append(f"  {child.role:<9} {child.label.split()[-1]:<10} pid {child.process.pid}")
     frontend = next(c for c in children if c.role == "frontend")
     lines += [
-        f"  frontend  {http_url}  pid {frontend.process.pid}  (POST /generate)",
+        f"  frontend  {http_url}  pid {frontend.process.pid}  (POST /generate, GET /metrics)",
         "",
         "Try:",
         f"  curl -s {http_url}/generate -d "

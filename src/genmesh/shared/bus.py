@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -21,6 +23,20 @@ CONNECT_TIMEOUT_S = 2.0
 # Sent after a stream's terminal frame: an empty message with no headers, which is where
 # `nats req --wait-for-empty` stops. genmesh clients stop at the terminal frame already.
 STREAM_TERMINATOR = b""
+# A worker's answer to a ping naming a request it does not run (any other answer: alive).
+PING_NOT_RUNNING = b"not running"
+
+
+# Run after a connection made by `connect` is back from an outage (its subscriptions are
+# restored and what was buffered meanwhile is sent by then).
+_reconnect_hooks: weakref.WeakKeyDictionary[Client, list[Callable[[], Awaitable[None]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def on_reconnect(nc: Client, hook: Callable[[], Awaitable[None]]) -> None:
+    """Call `hook()` every time `nc` reconnects (only for connections made by `connect`)."""
+    _reconnect_hooks.setdefault(nc, []).append(hook)
 
 
 class NatsUnreachable(ConnectionError):
@@ -90,6 +106,11 @@ async def connect(
 
     async def on_reconnected() -> None:
         log.info("NATS (%s): reconnected", name)
+        for hook in list(_reconnect_hooks.get(nc, ())):
+            try:
+                await hook()
+            except Exception as exc:
+                log.warning("NATS (%s): after reconnecting: %s", name, exc)
 
     try:
         nc = await nats.connect(

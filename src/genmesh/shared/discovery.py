@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import CodecError, UnknownCodecError, get_codec
-from genmesh.shared.bus import message_codec, publish, unsubscribe_quietly
+from genmesh.shared.bus import message_codec, on_reconnect, publish, unsubscribe_quietly
 from genmesh.shared.ids import is_subject_token
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner
@@ -88,11 +88,18 @@ class WorkerDirectory:
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(self.subjects.discovery, cb=self._on_message)
-        await publish(self.nc, self.subjects.query, get_codec(None), {})
+        await self._query()
+        # Back from a NATS outage (which expired everyone): ask again, not a heartbeat later.
+        on_reconnect(self.nc, self._query)
         self._tasks.spawn(self._expiry_loop(), name="expiry")
+
+    async def _query(self) -> None:
+        if self._sub is not None:  # not after close
+            await publish(self.nc, self.subjects.query, get_codec(None), {})
 
     async def close(self) -> None:
         await unsubscribe_quietly(self._sub)
+        self._sub = None
         await self._tasks.close()
 
     def live(self) -> list[WorkerInfo]:

@@ -10,17 +10,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from bisect import bisect_left
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
+
+# No `*_created` series: they double every counter's lines and say only when the process
+# started, which `process_start_time_seconds` already does. (A process-wide switch; every
+# registry in a genmesh process is genmesh's own.)
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def new_registry() -> CollectorRegistry:
@@ -28,6 +42,104 @@ def new_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     return registry
+
+
+class LoopHistogram(Collector):
+    """A labelled histogram for code that runs on one event loop (the frontend's per-token
+    path): observing is a bisect and two additions, with none of the locks that
+    `prometheus_client.Histogram` takes for threads. Scrapes run on the same loop, so they
+    always see a consistent state. Exposed like any Prometheus histogram."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = sorted(float(b) for b in buckets)
+        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = HistogramChild(self.bounds)
+        return child
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            cumulative, running = [], 0
+            for le, count in zip(self._le, child.counts, strict=True):
+                running += count
+                cumulative.append((le, float(running)))
+            family.add_metric(list(values), cumulative, child.sum)
+        yield family
+
+
+class HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # Buckets are `le` (less or equal): bisect_left puts a value equal to a bound in it.
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class LoopCounter(Collector):
+    """A labelled counter for one event loop, like `LoopHistogram`: `child.value += n`."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = CounterChild()
+        return child
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
+        yield family
+
+
+class CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:

@@ -17,7 +17,7 @@ header, no attribute is ever built, and the SDK is not even imported.
 
 Spans are never current across an `await` that hands control to a caller (generators):
 they are parents by explicit context, except where a task owns the span for its whole life
-(the worker's request task, an engine call's steps).
+(the frontend's handler task, the worker's request task, an engine call's steps).
 """
 
 from __future__ import annotations
@@ -106,14 +106,14 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
                 f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (genmesh has otlp, console, none)"
             )
     if "otlp" in names:
-        protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get(
-            "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
-        )
-        if protocol.strip().lower() != "http/protobuf":
-            raise ValueError(
-                f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: genmesh exports OTLP over "
-                "http/protobuf only"
-            )
+        for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            protocol = environ.get(variable)
+            if protocol:
+                if protocol.strip().lower() != "http/protobuf":
+                    raise ValueError(
+                        f"{variable}={protocol!r}: genmesh exports OTLP over http/protobuf only"
+                    )
+                break
     return [n for n in names if n != "none"]
 
 
@@ -264,9 +264,10 @@ def attempt_of(envelope: Envelope) -> int:
 
 def fail(span: Span, code: str, message: str) -> None:
     """Mark `span` as failed with a genmesh error code (a cancellation is no error)."""
-    span.set_attribute(GENMESH_ERROR_TYPE, code)
-    if code != ErrorCode.CANCELLED.value:
-        span.set_attribute(ERROR_TYPE, code)
+    if code == ErrorCode.CANCELLED.value:
+        span.set_attribute(GENMESH_ERROR_TYPE, code)
+    else:
+        span.set_attributes({GENMESH_ERROR_TYPE: code, ERROR_TYPE: code})
         span.set_status(Status(StatusCode.ERROR, message))
 
 
@@ -296,10 +297,8 @@ class FrameSpan:
                 self.tokens += len(tokens)
         elif kind == frames.ACK and self.span.is_recording():
             worker, dispatch = frame.get("worker"), frame.get("dispatch")
-            if isinstance(worker, str):
-                self.span.set_attribute(WORKER, worker)
-            if isinstance(dispatch, str):
-                self.span.set_attribute(DISPATCH_ID, dispatch)
+            if isinstance(worker, str) and isinstance(dispatch, str):
+                self.span.set_attributes({WORKER: worker, DISPATCH_ID: dispatch})
         if kind == frames.END or kind == frames.ERR:
             self.end(frame)
 
@@ -310,21 +309,17 @@ class FrameSpan:
         self._ended = True
         span = self.span
         if span.is_recording():
-            span.set_attribute(TOKENS_OUTPUT, self.tokens)
-            kind = None if last is None else last["t"]
-            if kind == frames.END:
-                assert last is not None
+            attributes: dict[str, Any] = {TOKENS_OUTPUT: self.tokens}
+            if last is not None and last["t"] == frames.END:
                 finish = last.get("finish")
                 reason = finish.get("reason") if isinstance(finish, dict) else None
-                attributes: dict[str, Any] = {TOKENS_OUTPUT: self.tokens}
                 if isinstance(reason, str):
                     attributes[FINISH_REASON] = reason
-                    span.set_attribute(FINISH_REASON, reason)
                 span.add_event(FINISH, attributes)
-            elif kind == frames.ERR:
-                assert last is not None
+            span.set_attributes(attributes)
+            if last is not None and last["t"] == frames.ERR:
                 fail(span, str(last.get("code")), str(last.get("message") or ""))
-            elif error_type is not None:
+            elif last is None and error_type is not None:
                 fail(span, error_type, error_type)
         span.end()
 
@@ -335,10 +330,11 @@ def attempt_span(envelope: Envelope, subject: str) -> FrameSpan | None:
         return None
     span = _tracer.start_span(f"send {subject}", kind=SpanKind.CLIENT)
     if span.is_recording():
-        span.set_attributes(nats_attributes(subject, "send", "send"))
-        span.set_attribute(REQUEST_ID, envelope.id)
-        span.set_attribute(ATTEMPT, attempt_of(envelope))
-        span.set_attribute(FORMAT, envelope.format)
+        attributes = nats_attributes(subject, "send", "send")
+        attributes[REQUEST_ID] = envelope.id
+        attributes[ATTEMPT] = attempt_of(envelope)
+        attributes[FORMAT] = envelope.format
+        span.set_attributes(attributes)
     return FrameSpan(span)
 
 
@@ -353,19 +349,11 @@ def remote_parent(headers: Mapping[str, str] | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _worker_span(
-    subject: str, worker: str, engine: str, request_id: str | None
-) -> tuple[Span, bool]:
-    assert _tracer is not None
-    span = _tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
-    recording = span.is_recording()
-    if recording:
-        span.set_attributes(nats_attributes(subject, "process", "process"))
-        span.set_attribute(WORKER, worker)
-        span.set_attribute(ENGINE, engine)
-        if request_id is not None:
-            span.set_attribute(REQUEST_ID, request_id)
-    return span, recording
+def _worker_attributes(subject: str, worker: str, engine: str) -> dict[str, Any]:
+    attributes = nats_attributes(subject, "process", "process")
+    attributes[WORKER] = worker
+    attributes[ENGINE] = engine
+    return attributes
 
 
 def worker_span(
@@ -375,11 +363,14 @@ def worker_span(
     requester's, through `remote_parent`). Current in the request's task (`enter`)."""
     if _tracer is None:
         return None
-    span, recording = _worker_span(subject, worker, engine, envelope.id)
-    if recording:
-        span.set_attribute(DISPATCH_ID, dispatch)
-        span.set_attribute(ATTEMPT, attempt_of(envelope))
-        span.set_attribute(FORMAT, envelope.format)
+    span = _tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
+    if span.is_recording():
+        attributes = _worker_attributes(subject, worker, engine)
+        attributes[REQUEST_ID] = envelope.id
+        attributes[DISPATCH_ID] = dispatch
+        attributes[ATTEMPT] = attempt_of(envelope)
+        attributes[FORMAT] = envelope.format
+        span.set_attributes(attributes)
     return FrameSpan(span)
 
 
@@ -389,8 +380,12 @@ def worker_rejected(
     """A worker's span for a request it refused: ERROR, and over at once."""
     if _tracer is None:
         return
-    span, recording = _worker_span(subject, worker, engine, request_id)
-    if recording:
+    span = _tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
+    if span.is_recording():
+        attributes = _worker_attributes(subject, worker, engine)
+        if request_id is not None:
+            attributes[REQUEST_ID] = request_id
+        span.set_attributes(attributes)
         fail(span, code.value, message)
     span.end()
 
@@ -401,25 +396,37 @@ def enter(span: FrameSpan) -> None:
     otel_context.attach(trace.set_span_in_context(span.span))
 
 
+class HopSpan:
+    """A span with the context it continues (a router's: its forward carries both)."""
+
+    __slots__ = ("parent", "span")
+
+    def __init__(self, span: Span, parent: Context) -> None:
+        self.span = span
+        self.parent = parent
+
+
 def router_span(
     headers: Mapping[str, str] | None, subject: str, envelope: Envelope, policy: str, router: str
-) -> Span | None:
+) -> HopSpan | None:
     """A router's span for one request, a child of the requester's span in `headers`."""
     if _tracer is None:
         return None
-    span = _tracer.start_span(f"process {subject}", extract(headers), kind=SpanKind.CONSUMER)
+    parent = extract(headers)
+    span = _tracer.start_span(f"process {subject}", parent, kind=SpanKind.CONSUMER)
     if span.is_recording():
-        span.set_attributes(nats_attributes(subject, "process", "process"))
-        span.set_attribute(ROUTER, router)
-        span.set_attribute(ROUTER_POLICY, policy)
-        span.set_attribute(REQUEST_ID, envelope.id)
-        span.set_attribute(ATTEMPT, attempt_of(envelope))
-        span.set_attribute(FORMAT, envelope.format)
-    return span
+        attributes = nats_attributes(subject, "process", "process")
+        attributes[ROUTER] = router
+        attributes[ROUTER_POLICY] = policy
+        attributes[REQUEST_ID] = envelope.id
+        attributes[ATTEMPT] = attempt_of(envelope)
+        attributes[FORMAT] = envelope.format
+        span.set_attributes(attributes)
+    return HopSpan(span, parent)
 
 
 def routed(
-    span: Span,
+    hop: HopSpan,
     worker: WorkerInfo,
     candidates: list[WorkerInfo],
     headers: Mapping[str, str] | None,
@@ -427,21 +434,26 @@ def routed(
     """End the router's span with its decision (the worker, among how many free eligible
     ones); the forward's headers, carrying the span's context (the requester's baggage
     kept), so that the worker's span is its child."""
+    span = hop.span
     if span.is_recording():
-        span.set_attribute(WORKER, worker.id)
-        span.set_attribute(ROUTER_CANDIDATES, len(candidates))
-        span.set_attribute(ROUTER_CANDIDATE_IDS, [w.id for w in candidates[:MAX_LISTED]])
-    forwarded = inject(headers, span, extract(headers))
+        span.set_attributes(
+            {
+                WORKER: worker.id,
+                ROUTER_CANDIDATES: len(candidates),
+                ROUTER_CANDIDATE_IDS: [w.id for w in candidates[:MAX_LISTED]],
+            }
+        )
+    forwarded = inject(headers, span, hop.parent)
     span.end()
     return forwarded
 
 
-def rejected(span: Span | None, code: ErrorCode, message: str) -> None:
-    """End a span whose request was refused."""
-    if span is not None:
-        if span.is_recording():
-            fail(span, code.value, message)
-        span.end()
+def rejected(hop: HopSpan | None, code: ErrorCode, message: str) -> None:
+    """End a router's span whose request it could not route."""
+    if hop is not None:
+        if hop.span.is_recording():
+            fail(hop.span, code.value, message)
+        hop.span.end()
 
 
 # --------------------------------------------------------------------- engine calls

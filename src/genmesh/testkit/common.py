@@ -18,7 +18,9 @@ through a small admin API on the same port (all under `/testkit/`):
 - `POST /testkit/config` `{"token_delay_ms"?, "healthy"?}` changes the per-token delay, or
   makes `/health` fail (a down engine).
 - `GET /testkit/state`: `{"received", "completed", "running": [ids], "aborted": [ids],
-  "disconnected": [ids], "faults_pending"}`: what a test asserts on.
+  "disconnected": [ids], "abort_calls", "faults_pending"}`: what a test asserts on.
+  `abort_calls` lists every abort call (SGLang `/abort_request`, vLLM `/abort_requests`) as
+  `{"ids": [...] ("*" for SGLang's abort_all), "at": <Unix time it arrived>}`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class ServerState:
     running: dict[str, Running] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)
+    # Every abort call: {"ids": [...], "at": Unix time of its arrival}.
+    abort_calls: list[dict[str, Any]] = field(default_factory=list)
+    # The W3C `traceparent` header of each generate request that carried one.
+    traceparents: list[str] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def next_fault(self) -> Fault | None:
@@ -134,6 +140,8 @@ class ServerState:
             "running": sorted(self.running),
             "aborted": list(self.aborted),
             "disconnected": list(self.disconnected),
+            "abort_calls": list(self.abort_calls),
+            "traceparents": list(self.traceparents),
             "faults_pending": [asdict(f) for f in self.faults],
             "token_delay_ms": self.token_delay_s * 1000,
             "healthy": self.healthy,

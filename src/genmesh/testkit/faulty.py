@@ -87,6 +87,8 @@ class FaultyEngine:
             raise unavailable("the engine connection dropped", reason="connection_lost")
         if 400 <= status < 500:  # abort with a status
             raise MeshError(ErrorCode.INVALID_ARGUMENT, message)
+        if status >= 500:  # the engine failed: retryable, as the SGLang adapter says
+            raise unavailable(f"engine ended the request (abort): {message}", status_code=status)
         raise MeshError(ErrorCode.INTERNAL, f"engine ended the request (abort): {message}")
 
 

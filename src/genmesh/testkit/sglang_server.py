@@ -944,6 +944,7 @@ class _SglangServer:
         return self.state.abort_matching(lambda other: other.startswith(rid))
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        arrived = time.time()
         raw = await request.read()
         try:
             body = json.loads(raw) if raw.strip() else None
@@ -954,6 +955,7 @@ class _SglangServer:
         if not isinstance(rid, str) or abort_all is None:
             err = {"type": "model_type", "loc": ("body",), "msg": "Input should be an AbortReq"}
             return _malformed_response(_Malformed([{**err, "input": body}]))
+        self.state.abort_calls.append({"ids": ["*"] if abort_all else [rid], "at": arrived})
         self.abort(rid, abort_all=abort_all)
         return web.Response(status=200)
 
@@ -961,6 +963,8 @@ class _SglangServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         created = time.monotonic()
+        if "traceparent" in request.headers:
+            self.state.traceparents.append(request.headers["traceparent"])
         fault = self.state.next_fault()
         if fault is not None and fault.kind == "http_error":
             return _fault_response(fault)

@@ -940,6 +940,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     config = app[CONFIG]
     profile = app[PROFILE]
     state = app[STATE_KEY]
+    if "traceparent" in request.headers:
+        state.traceparents.append(request.headers["traceparent"])
     raw = await request.read()
     try:
         options, body = parse_generate(raw, request.headers, config, profile)
@@ -998,6 +1000,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
 async def _abort_requests(request: web.Request) -> web.Response:
     """`POST /abort_requests` (tokens-only servers): fire and forget, 200 with no body.
     vLLM knows requests by their engine id; the bare id is accepted too."""
+    arrived = time.time()
     try:
         body = json.loads(await request.read())
     except ValueError as exc:
@@ -1013,6 +1016,7 @@ async def _abort_requests(request: web.Request) -> web.Response:
         return _http_exception(400, "'request_ids' must be a list of strings")
     wanted = set(ids)
     state = request.app[STATE_KEY]
+    state.abort_calls.append({"ids": list(ids), "at": arrived})
     engine_ids = request.app[ENGINE_IDS]
 
     def matches(key: str) -> bool:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from genmesh.client import MIG
 from genmesh.services.frontend.observe import RequestInfo
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode
-from genmesh.shared.metrics import new_registry
+from genmesh.shared.metrics import LoopCounter, LoopHistogram, new_registry
 
 PREFIX = "genmesh_frontend_"
 
@@ -38,12 +38,14 @@ DURATION_BUCKETS = (
 TOKEN_BUCKETS = tuple(float(1 << i) for i in range(18))
 
 # The fixed label values of migrations_total{reason}, from the `mig` frame's reason text.
-MIGRATION_NO_RESPONDERS = "no_responders"  # a silent worker's ping subject had no responders
+# A silent worker failed its ping: nobody answers on its ping subject (it died), or it
+# answers that it no longer runs the request (the stream's last frames were lost).
+MIGRATION_PING = "ping"
 MIGRATION_LEFT_DISCOVERY = "left_discovery"  # discovery dropped the worker (left, or expired)
 MIGRATION_TIMEOUT = "timeout"  # no ack within --ack-timeout, or silence past --idle-timeout
 MIGRATION_ERROR = "retryable_error"  # the worker or engine answered a retryable error
 MIGRATION_REASONS = (
-    MIGRATION_NO_RESPONDERS,
+    MIGRATION_PING,
     MIGRATION_LEFT_DISCOVERY,
     MIGRATION_TIMEOUT,
     MIGRATION_ERROR,
@@ -60,8 +62,8 @@ _CANCELLED = ErrorCode.CANCELLED.value
 def migration_reason(reason: object) -> str:
     """The label for a `mig` frame's reason text (`genmesh.client.MeshClient`'s messages)."""
     text = str(reason or "")
-    if "has no responders" in text:
-        return MIGRATION_NO_RESPONDERS
+    if "has no responders" in text or "no longer runs the request" in text:
+        return MIGRATION_PING
     if "left the mesh" in text:
         return MIGRATION_LEFT_DISCOVERY
     if text.startswith("no worker ") and " within " in text:
@@ -111,53 +113,53 @@ class FrontendMetrics:
         self.inflight = Gauge(
             PREFIX + "inflight_requests", "Generate requests being handled", route, registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             PREFIX + "time_to_first_token_seconds",
             "From a request's arrival to its first output token (of any of its generations)",
             route,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
+            r,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between output tokens of one generation; a frame of k tokens after a gap "
             "g counts k times, as g/k",
             route,
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
+            r,
         )
-        self.duration = Histogram(
+        self.duration = LoopHistogram(
             PREFIX + "request_duration_seconds",
             "From arrival to the end of the response, for dispatched requests",
             route,
-            buckets=DURATION_BUCKETS,
-            registry=r,
+            DURATION_BUCKETS,
+            r,
         )
-        self.input_tokens = Histogram(
+        self.input_tokens = LoopHistogram(
             PREFIX + "input_sequence_tokens",
             "Prompt length of each dispatched generation",
             route,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+            TOKEN_BUCKETS,
+            r,
         )
-        self.output_tokens = Histogram(
+        self.output_tokens = LoopHistogram(
             PREFIX + "output_sequence_tokens",
             "Output tokens of each generation that completed (across its migrations)",
             route,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+            TOKEN_BUCKETS,
+            r,
         )
-        self.input_tokens_total = Counter(
+        self.input_tokens_total = LoopCounter(
             PREFIX + "input_tokens",
             "Prompt tokens of dispatched generations",
             route,
-            registry=r,
+            r,
         )
-        self.output_tokens_total = Counter(
+        self.output_tokens_total = LoopCounter(
             PREFIX + "output_tokens",
             "Output tokens delivered to clients, counted as they arrive",
             route,
-            registry=r,
+            r,
         )
         self.migrations = Counter(
             PREFIX + "migrations",
@@ -253,7 +255,7 @@ class RequestMetrics:
                     route.ttft.observe(now - self.info.received_at)
                 self._last_token_at[index] = now
                 self._outputs[index] += count
-                route.output_tokens_total.inc(count)
+                route.output_tokens_total.value += count
             if kind == _END:
                 self._route.output_tokens.observe(self._outputs[index])
         elif kind == MIG:

@@ -101,10 +101,12 @@ class RequestTrace:
         span = self.span
         try:
             if span.is_recording():
-                span.set_attribute("http.response.status_code", status)
-                span.set_attribute(tracing.TOKENS_OUTPUT, self.tokens)
+                attributes: dict[str, Any] = {
+                    "http.response.status_code": status,
+                    tracing.TOKENS_OUTPUT: self.tokens,
+                }
                 if error_type is not None:
-                    span.set_attribute(tracing.GENMESH_ERROR_TYPE, error_type)
+                    attributes[tracing.GENMESH_ERROR_TYPE] = error_type
                 # As for any HTTP server span: 5xx is an error, 4xx the client's (499: it
                 # went away). A stream that failed after its 200 is an error too.
                 failed_in_band = status < 400 and error_type not in (
@@ -112,8 +114,9 @@ class RequestTrace:
                     ErrorCode.CANCELLED.value,
                 )
                 if status >= 500 or failed_in_band:
-                    span.set_attribute(tracing.ERROR_TYPE, error_type or str(status))
+                    attributes[tracing.ERROR_TYPE] = error_type or str(status)
                     span.set_status(Status(StatusCode.ERROR, error_type or str(status)))
+                span.set_attributes(attributes)
             span.end()
         finally:
             otel_context.detach(self._token)

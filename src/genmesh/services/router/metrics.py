@@ -14,10 +14,23 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import new_registry
 
 if TYPE_CHECKING:
     from genmesh.services.router.service import Router
+
+# Every code a router answers with itself, shown from the start (at 0).
+REJECTION_CODES = tuple(
+    code.value
+    for code in (
+        ErrorCode.NO_WORKER,
+        ErrorCode.NOT_FOUND,
+        ErrorCode.OVERLOADED,
+        ErrorCode.BAD_ENVELOPE,
+        ErrorCode.UNKNOWN_CODEC,
+    )
+)
 
 
 class RouterCollector(Collector):
@@ -52,8 +65,8 @@ class RouterCollector(Collector):
             "Requests the router answered with an error itself, by genmesh error code",
             labels=["code"],
         )
-        for code, count in sorted(router.rejections.items()):
-            rejections.add_metric([code], count)
+        for code in sorted(set(REJECTION_CODES) | set(router.rejections)):
+            rejections.add_metric([code], router.rejections.get(code, 0))
         yield rejections
 
 

@@ -96,7 +96,10 @@ class Router:
     async def _presence_loop(self) -> None:
         while True:
             try:
-                await self._announce()
+                # Not while disconnected: a presence buffered then would arrive on reconnect,
+                # before this router's directory knows any worker again.
+                if self.nc.is_connected:
+                    await self._announce()
             except Exception as exc:
                 log.warning("router presence not announced: %s", exc)
             await asyncio.sleep(self.heartbeat_interval_s)

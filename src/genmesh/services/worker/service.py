@@ -24,6 +24,7 @@ from genmesh.services.worker.engines.base import Engine
 from genmesh.services.worker.execute import execute
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
+    PING_NOT_RUNNING,
     STREAM_TERMINATOR,
     codec_headers,
     message_codec,
@@ -90,7 +91,6 @@ class Worker:
         self._tasks = TaskOwner(f"worker {config.worker_id}")
         self._load_changed = asyncio.Event()
         self._announcer: asyncio.Task[None] | None = None
-        self._generate_sub: Subscription | None = None
         self._started = time.time()
         self._stopping = False
         # Announced only while the engine is healthy: a worker without an engine is no worker.
@@ -126,9 +126,8 @@ class Worker:
         if not self._engine_up:
             log.warning("worker %s: waiting for its %s engine", self.worker_id, self.engine.name)
         on_generate = self._on_generate if tracing.tracer() is None else self._on_generate_traced
-        self._generate_sub = await self.nc.subscribe(self.subject, cb=on_generate)
         self._subs = [
-            self._generate_sub,
+            await self.nc.subscribe(self.subject, cb=on_generate),
             await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
             await self.nc.subscribe(self.subjects.query, cb=self._on_query),
             await self.nc.subscribe(self.subjects.worker_ping(self.worker_id), cb=self._on_ping),
@@ -150,8 +149,8 @@ class Worker:
             await asyncio.gather(self._announcer, return_exceptions=True)
         # Marked as a drain: requesters keep their streams here, which end or come back.
         await self._leave(draining=True)
-        # No new requests; cancels and pings still work while the rest drains.
-        await unsubscribe_quietly(self._generate_sub)
+        # Still subscribed while draining: a request a router forwarded before it saw the
+        # leave is refused as retryable (it migrates) rather than meeting no responders.
         running = [a.task for a in self._active.values() if a.task is not None]
         if running:
             log.info(
@@ -243,8 +242,12 @@ class Worker:
                 pass
 
     async def _on_ping(self, msg: Msg) -> None:
+        """Alive; and, if the ping names a request, whether it runs here: a requester that
+        heard nothing for a while lost the stream's last frames if it does not."""
         if msg.reply:
-            await self.nc.publish(msg.reply, b"")
+            rid = msg.data.decode(errors="replace")
+            running = not rid or rid in self._active
+            await self.nc.publish(msg.reply, b"" if running else PING_NOT_RUNNING)
 
     async def _on_query(self, msg: Msg) -> None:
         if not self._stopping:  # a late announce would undo our leave
