@@ -22,8 +22,12 @@ def _env_name(flag: str) -> str:
     return "GENMESH_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+# A parser, or a titled group of its options in --help.
+_Options = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
 def option(
-    parser: argparse.ArgumentParser,
+    parser: _Options,
     flag: str,
     *,
     help: str,
@@ -32,18 +36,22 @@ def option(
     choices: Sequence[str] | None = None,
     required: bool = False,
     env: str | None = None,
+    secret: bool = False,
 ) -> None:
     """An option that falls back to its GENMESH_ variable (`env`, or one named after the
-    flag), then to `default`."""
+    flag), then to `default`. A `secret`'s value is never shown in --help."""
     env = env or _env_name(flag)
     raw = os.environ.get(env)
     if raw is not None and raw != "":
         try:
             default = type(raw)
         except (TypeError, ValueError):
-            parser.error(f"{env}={raw!r} is not a valid value for {flag}")
+            message = f"{env}={raw!r} is not a valid value for {flag}"
+            if isinstance(parser, argparse.ArgumentParser):
+                parser.error(message)
+            sys.exit(f"genmesh: error: {message}")
         required = False
-    shown = "" if default is None else f"; default: {default}"
+    shown = "" if default is None else "; set" if secret else f"; default: {default}"
     parser.add_argument(
         flag,
         type=type,
@@ -54,7 +62,7 @@ def option(
     )
 
 
-def flag(parser: argparse.ArgumentParser, name: str, *, help: str) -> None:
+def flag(parser: _Options, name: str, *, help: str) -> None:
     env = _env_name(name)
     default = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
     parser.add_argument(name, action="store_true", default=default, help=f"{help} [env {env}]")
@@ -78,10 +86,49 @@ def _token_ids(value: str) -> list[int]:
     return [int(part) for part in value.replace(" ", "").split(",") if part]
 
 
+def _nats_auth_options(parser: argparse.ArgumentParser) -> None:
+    """Credentials and TLS for the NATS connection (docs/deploy.md, "Credentials")."""
+    group = parser.add_argument_group(
+        "NATS credentials and TLS",
+        "Give one way to authenticate: a user and password, a token, an nkey seed or a "
+        "creds file. Secrets are best given as files (--nats-password-file, ...).",
+    )
+    option(group, "--nats-user", help="NATS user name")
+    option(
+        group,
+        "--nats-password",
+        help="NATS password (prefer --nats-password-file)",
+        secret=True,
+    )
+    option(group, "--nats-password-file", help="file holding the NATS password")
+    option(group, "--nats-token", help="NATS token (prefer --nats-token-file)", secret=True)
+    option(group, "--nats-token-file", help="file holding the NATS token")
+    option(
+        group,
+        "--nats-nkey-seed",
+        help="nkey user seed file (or the seed itself, SU...)",
+        secret=True,
+    )
+    option(group, "--nats-creds", help="NATS JWT credentials file (operator mode)")
+    option(group, "--nats-tls-ca", help="CA certificate(s) to verify the NATS server with")
+    option(group, "--nats-tls-cert", help="client certificate for NATS (mutual TLS)")
+    option(group, "--nats-tls-key", help="private key of --nats-tls-cert")
+    flag(
+        group,
+        "--nats-tls-handshake-first",
+        help="start TLS before the NATS greeting (server tls { handshake_first: true })",
+    )
+
+
 def _common(
     parser: argparse.ArgumentParser, *, nats_default: str | None = DEFAULT_NATS_URL
 ) -> None:
-    option(parser, "--nats-url", default=nats_default, help="NATS server URL")
+    option(
+        parser,
+        "--nats-url",
+        default=nats_default,
+        help="NATS server URL; several, comma-separated, for a cluster",
+    )
     option(parser, "--namespace", default="default", help="mesh namespace (a subject token)")
     option(
         parser,
@@ -90,6 +137,7 @@ def _common(
         choices=["debug", "info", "warning", "error"],
         help="log level",
     )
+    _nats_auth_options(parser)
 
 
 def _mock_options(parser: argparse.ArgumentParser) -> None:
@@ -320,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         frontend,
         "--ping-after",
         type=_non_negative_float,
-        default=1.0,
+        default=0.5,
         help="seconds of silence after which a worker is pinged (no answer: it died, migrate)",
     )
     option(

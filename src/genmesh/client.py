@@ -30,6 +30,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -44,6 +45,7 @@ from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
+    NatsAuth,
     codec_headers,
     connect,
     is_no_responders,
@@ -107,7 +109,10 @@ def request(
 
 MIG = "mig"
 DEFAULT_MIGRATION_LIMIT = 3
-DEFAULT_PING_AFTER_S = 1.0
+DEFAULT_PING_AFTER_S = 0.5
+# A worker whose ping subject had no responders is left out of this client's requests
+# for this long: it may stay listed until discovery expires it (3 heartbeats).
+DEAD_WORKER_QUARANTINE_S = 10.0
 PING_TIMEOUT_S = 1.0
 
 
@@ -142,6 +147,8 @@ class MeshClient:
         # Worker id -> tokens of the streams it serves, to fail them when it disappears.
         self._by_worker: dict[str, set[str]] = {}
         self._tokens = itertools.count()
+        # Worker id -> loop time until which it counts as dead (see DEAD_WORKER_QUARANTINE_S).
+        self._dead: dict[str, float] = {}
         self._sub: Subscription | None = None
         if directory is not None:
             directory.on_change(self._on_directory_change)
@@ -154,10 +161,15 @@ class MeshClient:
         *,
         name: str = "genmesh-client",
         inbox_prefix: str = "_INBOX_client",
+        auth: NatsAuth | None = None,
         **kwargs: Any,
     ) -> MeshClient:
-        """Connect to NATS (failing fast if unreachable) and start a client on it."""
-        nc = await connect(url, name=name, inbox_prefix=inbox_prefix)
+        """Connect to NATS (failing fast if unreachable) and start a client on it.
+
+        `url` may list several servers, comma-separated; `auth` holds credentials and TLS
+        settings (a secured mesh gives clients the `client` user, whose replies may only
+        arrive under the inbox prefix `_INBOX_client`: docs/deploy.md)."""
+        nc = await connect(url, name=name, inbox_prefix=inbox_prefix, auth=auth)
         client = cls(nc, namespace, owns_connection=True, **kwargs)
         await client.start()
         return client
@@ -231,9 +243,11 @@ class MeshClient:
         limit = 0 if pinned else self.migration_limit
         deadline = _loop_deadline(envelope.deadline)
         delivered: list[int] = []
+        expert_values = 0  # routed-expert values delivered (rows are re-sent on a retry)
+        resent = 0  # of those, how many the current attempt is still to send again
         failed: list[str] = []
         attempt = 1
-        env = envelope
+        env = self._avoiding_dead(envelope, pinned)
         while True:
             failure: frames.Frame | None = None
             worker: str | None = None
@@ -248,7 +262,9 @@ class MeshClient:
                     if kind == frames.ACK:
                         worker = frame.get("worker")
                     elif kind in (frames.OUT, frames.END):
+                        resent = _skip_experts(frame, resent)
                         delivered.extend(frame.get("tokens") or [])
+                        expert_values += sum(len(row) for row in frame.get("routed_experts") or [])
                     elif kind == frames.ERR and frame.get("retryable") and attempt <= limit:
                         failure = frame
                         break
@@ -267,7 +283,8 @@ class MeshClient:
                 failed.append(worker)
             attempt += 1
             self.migrations += 1
-            env = continuation(envelope, delivered, attempt, failed)
+            env = self._avoiding_dead(continuation(envelope, delivered, attempt, failed), pinned)
+            resent = expert_values
             log.info(
                 "request %s: attempt %d after: %s (%d tokens delivered)",
                 envelope.id,
@@ -411,12 +428,28 @@ class MeshClient:
         try:
             reply = await self.nc.request(subject, rid.encode(), timeout=timeout)
         except NoRespondersError:
+            loop = asyncio.get_running_loop()
+            self._dead[worker] = loop.time() + DEAD_WORKER_QUARANTINE_S
             return f"worker {worker} is gone (its ping subject has no responders)"
         except (NatsTimeoutError, NatsError):
             return None
         if reply.data == PING_NOT_RUNNING:
             return f"worker {worker} no longer runs the request (its last frames were lost)"
         return None
+
+    def _avoiding_dead(self, envelope: Envelope, pinned: bool) -> Envelope:
+        """`envelope`, excluding the workers this client found dead lately: a router may
+        still list them, and each would cost a request its acknowledgement timeout."""
+        if not self._dead or pinned:
+            return envelope
+        now = asyncio.get_running_loop().time()
+        self._dead = {w: until for w, until in self._dead.items() if until > now}
+        dead = set(self._dead) - set(envelope.routing.exclude)
+        if not dead:
+            return envelope
+        routing = envelope.routing.copy()
+        routing.exclude = sorted(set(routing.exclude) | dead)
+        return replace(envelope, routing=routing)
 
     def _read(self, rid: str, msg: Msg, target: str, expected_seq: int) -> frames.Frame:
         """Decode and check one reply; problems become a terminal `err` frame."""
@@ -443,3 +476,21 @@ def _loop_deadline(deadline: float | None) -> float | None:
     if deadline is None:
         return None
     return asyncio.get_running_loop().time() + (deadline - time.time())
+
+
+def _skip_experts(frame: frames.Frame, skip: int) -> int:
+    """Drop the first `skip` routed-expert values of a continuation's frames, and return
+    how many are still to drop: it reports rows from the original start again (an engine
+    may send them only with its last chunk), and the client has the ones delivered."""
+    rows = frame.get("routed_experts")
+    if not rows or skip <= 0:
+        return skip
+    kept: list[list[int]] = []
+    for row in rows:
+        if skip >= len(row):
+            skip -= len(row)
+            continue
+        kept.append(row[skip:])
+        skip = 0
+    frame["routed_experts"] = kept
+    return skip

@@ -26,7 +26,7 @@ from genmesh.services.worker.engines.base import Engine
 from genmesh.services.worker.metrics import worker_registry
 from genmesh.services.worker.service import Worker, WorkerConfig
 from genmesh.shared import tracing
-from genmesh.shared.bus import connect
+from genmesh.shared.bus import NO_AUTH, NatsAuth, connect
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.ids import new_router_id
 from genmesh.shared.metrics import serving_metrics
@@ -63,9 +63,10 @@ class FrontendOptions:
     ack_timeout_s: float
     idle_timeout_s: float
     migration_limit: int = 3
-    ping_after_s: float = 1.0
+    ping_after_s: float = 0.5
     request_timeout_s: float | None = None
     records: RecordsConfig | None = None  # request trace records; None = off
+    auth: NatsAuth = NO_AUTH  # NATS credentials and TLS
 
 
 @dataclass(slots=True)
@@ -88,7 +89,9 @@ async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
     """Connect, discover, and listen (port 0 picks a free port)."""
     formats = load_generate_formats(opts.generate_format)
     subjects = Subjects(opts.namespace)
-    nc = await connect(opts.nats_url, name="genmesh-frontend", inbox_prefix="_INBOX_frontend")
+    nc = await connect(
+        opts.nats_url, name="genmesh-frontend", inbox_prefix="_INBOX_frontend", auth=opts.auth
+    )
     directory = WorkerDirectory(nc, subjects)
     client = MeshClient(
         nc,
@@ -161,9 +164,12 @@ async def serve_router(
     *,
     metrics_host: str = "127.0.0.1",
     metrics_port: int = 0,
+    auth: NatsAuth = NO_AUTH,
 ) -> None:
     router_id = new_router_id()
-    nc = await connect(nats_url, name=f"genmesh-router-{router_id}", inbox_prefix="_INBOX_router")
+    nc = await connect(
+        nats_url, name=f"genmesh-router-{router_id}", inbox_prefix="_INBOX_router", auth=auth
+    )
     router = Router(nc, Subjects(namespace), policy=policy, router_id=router_id)
     async with (
         tracing.running("router", router_id),
@@ -188,9 +194,13 @@ async def serve_worker(
     testkit_faults: bool = False,
     metrics_host: str = "127.0.0.1",
     metrics_port: int = 0,
+    auth: NatsAuth = NO_AUTH,
 ) -> None:
     nc = await connect(
-        nats_url, name=f"genmesh-worker-{worker.worker_id}", inbox_prefix="_INBOX_worker"
+        nats_url,
+        name=f"genmesh-worker-{worker.worker_id}",
+        inbox_prefix="_INBOX_worker",
+        auth=auth,
     )
     if testkit_faults:
         from genmesh.testkit.faulty import FaultyEngine, serve_fault_control

@@ -3,8 +3,7 @@
 The law: with a deterministic engine, a migrated request returns exactly what an
 uninterrupted one returns. The continuation is the original request with the delivered
 tokens appended to the prompt, budgets shrunk by as many, prompt logprobs not asked
-again (the first attempt delivered them), routed experts asked from the last delivered
-token on (the row its forward pass makes), and the failed workers excluded. Engines read
+again (the first attempt delivered them), and the failed workers excluded. Engines read
 budgets and output options from these canonical fields, so no native payload changes.
 """
 
@@ -44,9 +43,10 @@ def continuation(
     if s.max_tokens is not None:
         s.max_tokens = max(s.max_tokens - len(delivered), 0)
     s.min_tokens = max(s.min_tokens - len(delivered), 0)
+    # Routed experts keep their original start: an engine may report rows only with its
+    # last chunk, so the failed attempt may have delivered none; the client drops the
+    # rows it already has (see genmesh.client).
     env.output.prompt_logprobs_start = None
-    if original.output.routed_experts_start is not None:
-        env.output.routed_experts_start = len(env.token_ids) - 1
     env.continuation = Continuation(
         attempt=attempt,
         delivered=len(delivered),

@@ -487,6 +487,9 @@ def migration_refusal(sp: Mapping[str, Any]) -> str | None:
     for key in ("presence_penalty", "frequency_penalty"):
         if sp.get(key):
             return f"{key} counts generated tokens, which a continuation sees as prompt"
+    # SGLang's repetition penalizer counts output tokens only, too.
+    if sp.get("repetition_penalty") not in (None, 1, 1.0):
+        return "repetition_penalty counts generated tokens, which a continuation sees as prompt"
     return None
 
 

@@ -592,6 +592,10 @@ def migration_refusal(sp: Mapping[str, Any]) -> str | None:
     for key in ("presence_penalty", "frequency_penalty"):
         if sp.get(key):
             return f"{key} counts generated tokens, which a continuation sees as prompt"
+    temperature = sp.get("temperature")
+    if sp.get("seed") is not None and (temperature is None or temperature > 0):
+        # vLLM's per-request generator would start over on the new worker.
+        return "seeded sampling (seed with temperature > 0) restarts its random generator"
     return None
 
 

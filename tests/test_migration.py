@@ -1,0 +1,978 @@
+"""Mid-stream migration, end to end: the law, refusals, the limit, the NATS-level view.
+
+The law: for any request, a client whose worker fails mid-stream (its engine breaks, or
+the worker process is SIGKILLed) gets exactly what an uninterrupted run returns: the same
+tokens, logprobs, routed experts, finish reason and usage, unary and SSE, SGLang and vLLM
+formats, through the in-process mock engine and through the SGLang and vLLM adapters in
+front of failing mock servers. The uninterrupted run is the same request sent first,
+with no fault, through the same mesh.
+
+Where the fault lands: every mesh here has one round-robin router, so after a request
+served by worker i the next goes to worker i+1 (in id order). Each example learns i from
+the workers' request counters during its uninterrupted run and queues the fault on i+1
+only; a fault queued on every worker would also hit the continuations (each attempt
+excludes only the workers that failed it).
+
+Case counts: GENMESH_LAW_EXAMPLES (default 25) examples of the law with injected engine
+faults on mock workers, GENMESH_ADAPTER_LAW_EXAMPLES (default 10) per engine adapter, and
+8 fixed SIGKILL cases. Each law test prints how many examples it ran (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import nats
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from genmesh.client import MIG, MeshClient, request
+from genmesh.shared import frames
+from genmesh.testkit.faulty import control_subject
+from tests.conftest import unique_namespace
+from tests.mesh import Mesh, Service, start_mesh, wait_until
+
+VOCAB, EOS = 64, 7  # a small vocabulary, so stop tokens and EOS do end generations
+SPEEDUP = 2.0  # the mock engine: ~8 ms prefill, ~3 ms a token
+TOKEN_DELAY_MS = 2  # the mock engine servers
+LAW_EXAMPLES = int(os.environ.get("GENMESH_LAW_EXAMPLES", "25"))
+ADAPTER_EXAMPLES = int(os.environ.get("GENMESH_ADAPTER_LAW_EXAMPLES", "10"))
+PATHS = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
+WORKER_OPTS: dict[str, Any] = {
+    "speedup": SPEEDUP,
+    "vocab_size": VOCAB,
+    "eos_token_id": EOS,
+    "testkit_faults": True,
+    # Discovery drops a SIGKILLed worker after 3 missed heartbeats: 1.5 s, not 3 s.
+    "heartbeat": 0.5,
+}
+# Engine failures the law covers; `hang` waits for the idle timeout: a test of its own.
+MOCK_FAULTS = ("drop", "no_terminal", "done_early", "http_error", "abort")
+# The vLLM mock's abort is a finish reason (the request ends, 200), not a failure.
+SERVER_FAULTS = {"sglang": MOCK_FAULTS, "vllm": ("drop", "no_terminal", "done_early", "http_error")}
+ATTEMPT_LOG = re.compile(r"request (\S+): attempt (\d+) after: (.*) \((\d+) tokens delivered\)")
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+@dataclass
+class Result:
+    status: int
+    body: Any = None  # unary (or an error answered before the stream started)
+    events: list[Any] | None = None  # SSE `data:` payloads, "[DONE]" kept as the string
+
+
+OnEvent = Callable[[int, Any], Awaitable[None]]
+
+
+async def call(
+    mesh: Mesh, fmt: str, body: dict[str, Any], stream: bool, on_event: OnEvent | None = None
+) -> Result:
+    """One request to the frontend; `on_event(n, payload)` runs after the nth SSE event."""
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(mesh.http_url + PATHS[fmt], json={**body, "stream": stream}) as resp,
+    ):
+        if resp.content_type != "text/event-stream":
+            return Result(resp.status, json.loads(await resp.text()))
+        events: list[Any] = []
+        async for raw in resp.content:
+            line = raw.rstrip(b"\r\n")
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[len(b"data: ") :]
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+            if on_event is not None:
+                await on_event(len(events), events[-1])
+        return Result(resp.status, events=events)
+
+
+def content(fmt: str, body: dict[str, Any], result: Result) -> dict[str, Any]:
+    """What a response says, in a form equal for equal answers: the unary body, or what
+    the SSE stream adds up to. Fields that legitimately differ between runs
+    (`e2e_latency`) are left out; checks every stream's own invariants on the way."""
+    assert result.status == 200, (result.status, result.body, result.events)
+    if result.events is None:
+        out = json.loads(json.dumps(result.body))
+        if fmt == "sglang":
+            out["meta_info"].pop("e2e_latency")
+        return out
+    events = result.events
+    assert events, "an empty stream"
+    assert events[-1] == "[DONE]", events[-3:]
+    assert "[DONE]" not in events[:-1]
+    if fmt == "sglang":
+        return _sglang_stream(events[:-1])
+    return _vllm_stream(body, events[:-1])
+
+
+def _sglang_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens: list[int] = []
+    logprobs: list[Any] = []
+    tops: list[Any] = []
+    experts = b""
+    for i, chunk in enumerate(chunks):
+        meta = chunk["meta_info"]
+        tokens += chunk["output_ids"]
+        # completion_tokens is a running total: rebased after a migration.
+        assert meta["completion_tokens"] == len(tokens), (i, meta)
+        assert (meta["finish_reason"] is None) == (i < len(chunks) - 1), (i, meta)
+        logprobs += meta.get("output_token_logprobs") or []
+        tops += meta.get("output_top_logprobs") or []
+        if "routed_experts" in meta:
+            experts += base64.b64decode(meta["routed_experts"])
+    last = dict(chunks[-1]["meta_info"])
+    for key in ("e2e_latency", "output_token_logprobs", "output_top_logprobs", "routed_experts"):
+        last.pop(key, None)
+    # Properties of the prompt are repeated on every chunk, the same on each.
+    for chunk in chunks:
+        for key in ("prompt_tokens", "cached_tokens", "input_token_logprobs", "input_top_logprobs"):
+            assert chunk["meta_info"].get(key) == last.get(key), (key, chunk)
+    return {
+        "output_ids": tokens,
+        "output_token_logprobs": logprobs,
+        "output_top_logprobs": tops,
+        "routed_experts": experts,
+        "meta_info": last,
+        "keys": sorted(chunks[-1]["meta_info"]),
+    }
+
+
+def _vllm_stream(body: dict[str, Any], chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    options = body.get("stream_options") or {}
+    usage_chunk = None
+    if options.get("include_usage"):
+        usage_chunk = chunks.pop()
+        assert usage_chunk["choices"] == [], usage_chunk
+    continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
+    tokens: list[int] = []
+    logprobs: list[Any] = []
+    prompt_logprobs: list[Any] = []
+    ids = set()
+    for i, chunk in enumerate(chunks):
+        ids.add(chunk["request_id"])
+        (choice,) = chunk["choices"]
+        tokens += choice["token_ids"]
+        if choice["logprobs"] is not None:
+            logprobs += choice["logprobs"]["content"]
+        if "prompt_logprobs" in chunk:
+            prompt_logprobs.append(chunk["prompt_logprobs"])
+        assert (choice["finish_reason"] is None) == (i < len(chunks) - 1), (i, chunk)
+        if continuous:
+            assert chunk["usage"]["completion_tokens"] == len(tokens), (i, chunk)
+        else:
+            assert chunk["usage"] is None, chunk
+    last = dict(chunks[-1]["choices"][0])
+    last.pop("token_ids")
+    last.pop("logprobs")
+    return {
+        "request_ids": sorted(ids),
+        "token_ids": tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,  # at most once, in the first chunk
+        "last_choice": last,
+        "usage": None if usage_chunk is None else usage_chunk,
+        "last_usage": chunks[-1]["usage"],
+    }
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two JSON-like values differ (for readable failures)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b:
+                out.append(f"{path}.{key}: only in {'got' if key in a else 'expected'}")
+            else:
+                out += differences(a[key], b[key], f"{path}.{key}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}[{i}]")
+        ]
+    return [] if a == b else [f"{path}: got {a!r:.300} expected {b!r:.300}"]
+
+
+def token_count(fmt: str, summary: dict[str, Any]) -> int:
+    if "output_ids" in summary:
+        return len(summary["output_ids"])
+    if "token_ids" in summary:
+        return len(summary["token_ids"])
+    return len(summary["choices"][0]["token_ids"])
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Case:
+    fmt: str
+    stream: bool
+    body: dict[str, Any]
+
+
+@st.composite
+def cases(draw: st.DrawFn, routed_experts: bool = True) -> Case:
+    fmt = draw(st.sampled_from(["sglang", "vllm"]))
+    stream = draw(st.booleans())
+    prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
+    budget = draw(st.integers(1, 40))
+    stops = draw(st.lists(st.integers(0, VOCAB - 1), max_size=3, unique=True))
+    min_tokens = draw(st.sampled_from([0, 0, 0, *range(budget + 1)]))
+    ignore_eos = draw(st.booleans())
+    rid = f"law-{uuid.uuid4().hex}"  # the same ID in both runs: responses echo it
+    if fmt == "sglang":
+        body: dict[str, Any] = {
+            "input_ids": prompt,
+            "rid": rid,
+            "sampling_params": {
+                "max_new_tokens": budget,
+                "stop_token_ids": stops,
+                "min_new_tokens": min_tokens,
+                "ignore_eos": ignore_eos,
+            },
+        }
+        if draw(st.booleans()):
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = draw(st.integers(0, 3))
+            body["logprob_start_len"] = draw(st.integers(-1, len(prompt) - 1))
+        if routed_experts and draw(st.booleans()):
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = draw(st.integers(0, len(prompt)))
+    else:
+        sp: dict[str, Any] = {
+            "max_tokens": budget,
+            "stop_token_ids": stops,
+            "min_tokens": min_tokens,
+            "ignore_eos": ignore_eos,
+        }
+        logprobs = draw(st.none() | st.integers(0, 3))
+        if logprobs is not None:
+            sp["logprobs"] = logprobs
+        prompt_logprobs = draw(st.none() | st.integers(0, 2))
+        if prompt_logprobs is not None:
+            sp["prompt_logprobs"] = prompt_logprobs
+        body = {"token_ids": prompt, "request_id": rid, "sampling_params": sp}
+        if stream:
+            options = draw(
+                st.sampled_from(
+                    [
+                        None,
+                        {"include_usage": True},
+                        {"include_usage": True, "continuous_usage_stats": True},
+                    ]
+                )
+            )
+            if options is not None:
+                body["stream_options"] = options
+    return Case(fmt, stream, body)
+
+
+@dataclass(frozen=True)
+class FaultDraw:
+    kind: str
+    status: int
+    where: int  # per mille of the uninterrupted run's tokens
+
+
+@st.composite
+def faults(draw: st.DrawFn, kinds: tuple[str, ...] = MOCK_FAULTS) -> FaultDraw:
+    kind = draw(st.sampled_from(kinds))
+    status = draw(st.sampled_from([503, 500])) if kind == "http_error" else 500
+    return FaultDraw(kind, status, draw(st.integers(0, 999)))
+
+
+# ---------------------------------------------------------------- fault control
+
+
+class FaultControl:
+    """Faults and request counters of a mesh's engines, by worker id."""
+
+    worker_ids: list[str]
+
+    async def received(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def inject(self, worker_id: str, fault: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def pending(self, worker_id: str) -> int:
+        raise NotImplementedError
+
+    async def running(self, worker_id: str) -> list[str]:
+        raise NotImplementedError
+
+    async def clear(self) -> None:
+        raise NotImplementedError
+
+
+class WorkerFaults(FaultControl):
+    """Workers started with --testkit-faults: faults go over NATS to their FaultyEngine."""
+
+    def __init__(self, nc: Any, mesh: Mesh) -> None:
+        self.nc = nc
+        self.mesh = mesh
+        self.worker_ids = sorted(w.name for w in mesh.workers)
+
+    async def _ask(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        subject = control_subject(self.mesh.namespace, worker_id)
+        msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=5)
+        answer: dict[str, Any] = json.loads(msg.data)
+        assert "error" not in answer, answer
+        return answer
+
+    async def received(self) -> dict[str, int]:
+        states = await asyncio.gather(*(self._ask(w, {}) for w in self.worker_ids))
+        return {w: s["received"] for w, s in zip(self.worker_ids, states, strict=True)}
+
+    async def inject(self, worker_id: str, fault: dict[str, Any]) -> None:
+        await self._ask(worker_id, fault)
+
+    async def pending(self, worker_id: str) -> int:
+        return len((await self._ask(worker_id, {}))["faults_pending"])
+
+    async def running(self, worker_id: str) -> list[str]:
+        return list((await self._ask(worker_id, {}))["running"])
+
+    async def clear(self) -> None:
+        await asyncio.gather(*(self._ask(w, {"clear": True}) for w in self.worker_ids))
+
+
+class ServerFaults(FaultControl):
+    """Workers in front of mock engine servers: faults go to the servers' admin routes."""
+
+    def __init__(self, session: aiohttp.ClientSession, servers: dict[str, str]) -> None:
+        self.session = session
+        self.servers = servers  # worker id -> its server's URL
+        self.worker_ids = sorted(servers)
+
+    async def _state(self, worker_id: str) -> dict[str, Any]:
+        async with self.session.get(self.servers[worker_id] + "/testkit/state") as resp:
+            state: dict[str, Any] = await resp.json()
+            return state
+
+    async def received(self) -> dict[str, int]:
+        states = await asyncio.gather(*(self._state(w) for w in self.worker_ids))
+        return {w: s["received"] for w, s in zip(self.worker_ids, states, strict=True)}
+
+    async def inject(self, worker_id: str, fault: dict[str, Any]) -> None:
+        url = self.servers[worker_id] + "/testkit/faults"
+        async with self.session.post(url, json=fault) as resp:
+            assert resp.status == 200, await resp.text()
+
+    async def pending(self, worker_id: str) -> int:
+        return len((await self._state(worker_id))["faults_pending"])
+
+    async def running(self, worker_id: str) -> list[str]:
+        return list((await self._state(worker_id))["running"])
+
+    async def clear(self) -> None:
+        for url in self.servers.values():
+            async with self.session.delete(url + "/testkit/faults") as resp:
+                assert resp.status == 200
+
+
+@contextlib.asynccontextmanager
+async def worker_faults(mesh: Mesh) -> AsyncIterator[WorkerFaults]:
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        yield WorkerFaults(nc, mesh)
+    finally:
+        await nc.close()
+
+
+async def landing(
+    control: FaultControl, run: Callable[[], Awaitable[Result]]
+) -> tuple[str, Result]:
+    """Run a request; return the worker that served it (exactly one) and its result."""
+    before = await control.received()
+    result = await run()
+    after = await control.received()
+    served = [w for w in control.worker_ids if after[w] != before[w]]
+    assert len(served) == 1, (before, after)
+    return served[0], result
+
+
+def successor(control: FaultControl, worker_id: str) -> str:
+    """Where the round-robin router sends the next request."""
+    ordered = control.worker_ids
+    return ordered[(ordered.index(worker_id) + 1) % len(ordered)]
+
+
+def attempts_logged(frontend: Service) -> list[tuple[str, int, str, int]]:
+    return [(m[1], int(m[2]), m[3], int(m[4])) for m in ATTEMPT_LOG.finditer(frontend.log())]
+
+
+def frontend_of(mesh: Mesh) -> Service:
+    return next(s for s in mesh.services if s.role == "frontend")
+
+
+async def check_law(mesh: Mesh, control: FaultControl, case: Case, fault: FaultDraw) -> None:
+    """The uninterrupted run, then the same request with `fault` where it will land."""
+    served, reference = await landing(control, lambda: call(mesh, case.fmt, case.body, case.stream))
+    expected = content(case.fmt, case.body, reference)
+    n = token_count(case.fmt, expected)
+    assert n >= 1
+    victim = successor(control, served)
+    spec = {"kind": fault.kind, "status": fault.status, "after_tokens": fault.where * n // 1000}
+    frontend = frontend_of(mesh)
+    logged = len(attempts_logged(frontend))
+    await control.inject(victim, spec)
+    try:
+        result = await call(mesh, case.fmt, case.body, case.stream)
+        assert await control.pending(victim) == 0, f"the request did not reach {victim}"
+    finally:
+        await control.clear()
+    assert result.status == 200, (spec, result.body, result.events)
+    got = content(case.fmt, case.body, result)
+    assert got == expected, (spec, differences(got, expected))
+    # It did fail, and moved once: its first attempt failed, the second did not.
+    attempts = attempts_logged(frontend)[logged:]
+    assert [n for _, n, _, _ in attempts] == [2], (spec, attempts)
+    delivered = attempts[0][3]
+    if isinstance(control, WorkerFaults):
+        wanted = 0 if fault.kind == "http_error" else spec["after_tokens"]
+        assert delivered == wanted, (spec, attempts)
+    else:  # through an adapter, a dropped connection may lose what was in flight
+        assert delivered <= spec["after_tokens"], (spec, attempts)
+
+
+def run_law(
+    mesh: Mesh,
+    make_control: Callable[[], contextlib.AbstractAsyncContextManager[FaultControl]],
+    examples: int,
+    strategy: st.SearchStrategy[tuple[Case, FaultDraw]],
+    label: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ran = 0
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,  # CI runs the same cases every time
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(strategy)
+    def law(drawn: tuple[Case, FaultDraw]) -> None:
+        nonlocal ran
+        ran += 1
+        case, fault = drawn
+
+        async def example() -> None:
+            async with make_control() as control:
+                await check_law(mesh, control, case, fault)
+
+        asyncio.run(example())
+
+    started = time.monotonic()
+    law()
+    with capsys.disabled():
+        print(f"\n{label}: {ran} examples in {time.monotonic() - started:.1f}s", end="")
+    assert ran >= min(examples, 5)
+
+
+# ---------------------------------------------------------------- the mock-engine mesh
+
+
+@pytest.fixture(scope="module")
+def law_mesh(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """1 router (round robin), 3 mock workers with injectable faults, a frontend."""
+    mesh = start_mesh(
+        nats_url,
+        tmp_path_factory.mktemp("law"),
+        namespace=unique_namespace("law"),
+        workers=3,
+        worker_opts=WORKER_OPTS,
+    )
+    yield mesh
+    mesh.stop()
+
+
+def test_the_law_with_engine_faults(law_mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    run_law(
+        law_mesh,
+        lambda: worker_faults(law_mesh),
+        LAW_EXAMPLES,
+        st.tuples(cases(), faults()),
+        "migration law, engine faults, mock workers",
+        capsys,
+    )
+
+
+# ---------------------------------------------------------------- refusal
+
+
+REFUSING = {
+    "sglang": {
+        "input_ids": [3, 1, 4, 1, 5],
+        "rid": "refusing",
+        "sampling_params": {"max_new_tokens": 20, "ignore_eos": True, "presence_penalty": 0.5},
+    },
+    "vllm": {
+        "token_ids": [3, 1, 4, 1, 5],
+        "request_id": "refusing",
+        "sampling_params": {"max_tokens": 20, "ignore_eos": True, "frequency_penalty": 0.5},
+    },
+}
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+async def test_a_refusing_request_fails_with_the_reason_after_tokens(
+    law_mesh: Mesh, fmt: str, stream: bool
+) -> None:
+    penalty = "presence_penalty" if fmt == "sglang" else "frequency_penalty"
+    async with worker_faults(law_mesh) as control:
+        served, _ = await landing(control, lambda: call(law_mesh, fmt, REFUSING[fmt], False))
+        await control.inject(successor(control, served), {"kind": "drop", "after_tokens": 4})
+        before = await control.received()
+        try:
+            result = await call(law_mesh, fmt, REFUSING[fmt], stream)
+            after = await control.received()
+        finally:
+            await control.clear()
+    assert sum(after.values()) - sum(before.values()) == 1  # no second attempt
+    reason = (
+        f"(not migrated: {penalty} counts generated tokens, which a continuation sees as prompt)"
+    )
+    if not stream:
+        assert result.status == 503
+        message = result.body["message"] if fmt == "sglang" else result.body["error"]["message"]
+        if fmt == "sglang":
+            assert result.body["code"] == 503
+            assert result.body["object"] == "error"
+        else:
+            assert result.body["error"]["code"] == 503
+            assert result.body["error"]["type"] == "ServiceUnavailableError"
+        assert message.endswith(reason), message
+        return
+    assert result.status == 200  # the stream had started: the error is in-band
+    assert result.events is not None
+    assert result.events[-1] == "[DONE]"
+    error = result.events[-2]
+    message = error["message"] if fmt == "sglang" else error["error"]["message"]
+    assert message.endswith(reason), error
+    delivered = result.events[:-2]
+    tokens = [
+        t
+        for chunk in delivered
+        for t in (chunk["output_ids"] if fmt == "sglang" else chunk["choices"][0]["token_ids"])
+    ]
+    assert len(tokens) == 4
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+async def test_a_refusing_request_still_restarts_before_any_token(
+    law_mesh: Mesh, fmt: str, stream: bool
+) -> None:
+    async with worker_faults(law_mesh) as control:
+        served, reference = await landing(
+            control, lambda: call(law_mesh, fmt, REFUSING[fmt], stream)
+        )
+        await control.inject(successor(control, served), {"kind": "drop", "after_tokens": 0})
+        before = await control.received()
+        try:
+            result = await call(law_mesh, fmt, REFUSING[fmt], stream)
+            after = await control.received()
+        finally:
+            await control.clear()
+    assert sum(after.values()) - sum(before.values()) == 2
+    assert content(fmt, REFUSING[fmt], result) == content(fmt, REFUSING[fmt], reference)
+
+
+# ---------------------------------------------------------------- the migration limit
+
+
+LIMITED = {
+    "input_ids": [2, 7, 1, 8, 2, 8],
+    "rid": "limit-test",
+    "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+}
+# On every worker: after 5 tokens. Attempt 1 fails after 5, attempt 2 after 5 more, and
+# attempt 3, with 2 tokens left, ends before its fault: exactly two attempts fail.
+EVERY_ATTEMPT = {"kind": "drop", "after_tokens": 5}
+
+
+@pytest.fixture(scope="module")
+def limited_frontend(law_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """A second frontend on the law mesh's namespace: --migration-limit 1, and an idle
+    timeout of 1 s (a live worker that sends nothing for 1 s has a hung engine)."""
+    mesh = Mesh(law_mesh.nats_url, tmp_path_factory.mktemp("limited"), law_mesh.namespace)
+    mesh.add_frontend("--migration-limit", "1", "--idle-timeout", "1")
+    mesh.wait_for_workers(lambda ids: len(ids) == 3, what="the law mesh's workers")
+    yield mesh
+    mesh.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+async def test_the_migration_limit_ends_a_request_after_its_attempts(
+    law_mesh: Mesh, limited_frontend: Mesh, stream: bool
+) -> None:
+    async with worker_faults(law_mesh) as control:
+        for worker_id in control.worker_ids:
+            await control.inject(worker_id, EVERY_ATTEMPT)
+        before = await control.received()
+        try:
+            result = await call(limited_frontend, "sglang", LIMITED, stream)
+            after = await control.received()
+        finally:
+            await control.clear()
+    assert sum(after.values()) - sum(before.values()) == 2  # the first attempt and one more
+    if stream:
+        assert result.status == 200
+        assert result.events is not None
+        assert result.events[-1] == "[DONE]"
+        error = result.events[-2]
+        tokens = [t for chunk in result.events[:-2] for t in chunk["output_ids"]]
+        assert len(tokens) == 10
+    else:
+        assert result.status == 503
+        error = result.body
+    assert error["code"] == 503
+    assert "connection dropped" in error["message"]
+    logged = attempts_logged(frontend_of(limited_frontend))
+    assert [(n, delivered) for _, n, _, delivered in logged[-1:]] == [(2, 5)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+async def test_the_default_limit_lets_two_failed_attempts_succeed(
+    law_mesh: Mesh, stream: bool
+) -> None:
+    reference = content("sglang", LIMITED, await call(law_mesh, "sglang", LIMITED, stream))
+    async with worker_faults(law_mesh) as control:
+        for worker_id in control.worker_ids:
+            await control.inject(worker_id, EVERY_ATTEMPT)
+        before = await control.received()
+        try:
+            result = await call(law_mesh, "sglang", LIMITED, stream)
+            after = await control.received()
+            pending = [await control.pending(w) for w in control.worker_ids]
+        finally:
+            await control.clear()
+    assert pending == [0, 0, 0]
+    assert sum(after.values()) - sum(before.values()) == 3
+    assert content("sglang", LIMITED, result) == reference
+    logged = attempts_logged(frontend_of(law_mesh))
+    assert [(n, delivered) for _, n, _, delivered in logged[-2:]] == [(2, 5), (3, 10)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+async def test_a_hung_engine_migrates_after_the_idle_timeout(
+    law_mesh: Mesh, limited_frontend: Mesh, stream: bool
+) -> None:
+    """`hang`, the fault the law leaves out: the worker still answers pings, so only the
+    idle timeout (1 s on this frontend) moves the request; the hung attempt is cancelled."""
+    body = {
+        "input_ids": [1, 4, 1, 4, 2],
+        "rid": "hang",
+        "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    async with worker_faults(law_mesh) as control:
+        served, reference = await landing(
+            control, lambda: call(limited_frontend, "sglang", body, stream)
+        )
+        victim = successor(control, served)
+        await control.inject(victim, {"kind": "hang", "after_tokens": 4})
+        try:
+            started = time.monotonic()
+            result = await call(limited_frontend, "sglang", body, stream)
+            elapsed = time.monotonic() - started
+            assert await control.pending(victim) == 0
+            deadline = time.monotonic() + 5
+            while await control.running(victim):  # the hung attempt is cancelled there
+                assert time.monotonic() < deadline, "the hung attempt still runs"
+                await asyncio.sleep(0.02)
+        finally:
+            await control.clear()
+    assert content("sglang", body, result) == content("sglang", body, reference)
+    assert 1.0 <= elapsed < 5.0
+    (move,) = attempts_logged(frontend_of(limited_frontend))[-1:]
+    assert move[1:] == (2, "no worker sent a frame within 1s", 4)
+
+
+# ---------------------------------------------------------------- NATS level
+
+
+async def test_mig_frames_mark_each_new_attempt(law_mesh: Mesh) -> None:
+    prompt = [5, 4, 3, 2, 1]
+    async with await MeshClient.connect(law_mesh.nats_url, law_mesh.namespace) as client:
+        plain = [f async for f in client.generate(request(prompt, max_tokens=12, ignore_eos=True))]
+        async with worker_faults(law_mesh) as control:
+            for worker_id in control.worker_ids:
+                await control.inject(worker_id, EVERY_ATTEMPT)
+            try:
+                migrated = [
+                    f
+                    async for f in client.generate(request(prompt, max_tokens=12, ignore_eos=True))
+                ]
+            finally:
+                await control.clear()
+    assert [f["t"] for f in plain if f["t"] not in (frames.OUT, frames.KA)] == ["ack", "end"]
+    kinds = [f["t"] for f in migrated if f["t"] not in (frames.OUT, frames.KA)]
+    assert kinds == ["ack", MIG, "ack", MIG, "ack", "end"]
+    migs = [f for f in migrated if f["t"] == MIG]
+    acks = [f for f in migrated if f["t"] == frames.ACK]
+    for n, (mig, ack) in enumerate(zip(migs, acks, strict=False)):
+        assert mig["attempt"] == n + 2
+        assert mig["delivered"] == 5 * (n + 1)
+        assert mig["from_worker"] == ack["worker"]
+        assert "connection dropped" in mig["reason"]
+        assert mig["id"] == migrated[0]["id"]
+    assert len({a["worker"] for a in acks}) == 3  # each attempt excludes the failed ones
+    # Every attempt has its own ID, so a cancel of a failed one cannot hit its successor.
+    assert [a["id"] for a in acks] == [acks[0]["id"], acks[0]["id"] + "~2", acks[0]["id"] + "~3"]
+
+    def tokens(fs: list[frames.Frame]) -> list[int]:
+        return [t for f in fs if f["t"] in (frames.OUT, frames.END) for t in f.get("tokens") or []]
+
+    assert tokens(migrated) == tokens(plain)
+    assert len(tokens(plain)) == 12
+
+
+async def test_pinned_requests_never_migrate(law_mesh: Mesh) -> None:
+    async with (
+        await MeshClient.connect(law_mesh.nats_url, law_mesh.namespace) as client,
+        worker_faults(law_mesh) as control,
+    ):
+        pinned = control.worker_ids[0]
+        await control.inject(pinned, {"kind": "drop", "after_tokens": 3})
+        before = await control.received()
+        try:
+            env = request([1, 2, 3], max_tokens=10, ignore_eos=True, worker=pinned)
+            got = [f async for f in client.generate(env)]
+            after = await control.received()
+        finally:
+            await control.clear()
+    assert sum(after.values()) - sum(before.values()) == 1
+    assert [f["t"] for f in got if f["t"] != frames.OUT] == ["ack", "err"]
+    assert got[-1]["code"] == "unavailable"
+    assert "connection dropped" in got[-1]["message"]
+    assert sum(len(f.get("tokens") or []) for f in got) == 3
+
+
+# ---------------------------------------------------------------- SIGKILL
+
+
+KILL_PROMPT = [9, 19, 29, 39, 49, 59, 3]
+# ~0.4 s of tokens: the request still runs when the test looks for its worker, even on a
+# busy machine (a replacement worker starting takes a core for a while).
+KILL_BUDGET = 120
+
+
+def kill_case(fmt: str, stream: bool, logprobs: bool) -> dict[str, Any]:
+    rid = f"kill-{fmt}-{stream}-{logprobs}"
+    if fmt == "sglang":
+        body: dict[str, Any] = {
+            "input_ids": KILL_PROMPT,
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": KILL_BUDGET, "ignore_eos": True},
+        }
+        if logprobs:
+            body |= {
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+                "logprob_start_len": 2,
+                "return_routed_experts": True,
+                "routed_experts_start_len": 1,
+            }
+        return body
+    sp: dict[str, Any] = {"max_tokens": KILL_BUDGET, "ignore_eos": True}
+    if logprobs:
+        sp |= {"logprobs": 2, "prompt_logprobs": 1}
+    body = {"token_ids": KILL_PROMPT, "request_id": rid, "sampling_params": sp}
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return body
+
+
+async def serving_worker(control: WorkerFaults, timeout: float = 5.0) -> str:
+    """The live worker that is running a request right now."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [s.name for s in control.mesh.workers if s.name in control.worker_ids]
+        running = await asyncio.gather(*(control.running(w) for w in alive))
+        busy = [w for w, ids in zip(alive, running, strict=True) if ids]
+        if busy:
+            (worker_id,) = busy
+            return worker_id
+        await asyncio.sleep(0.002)
+    raise TimeoutError("no worker is running the request")
+
+
+@pytest.mark.parametrize("logprobs", [False, True], ids=["plain", "logprobs"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+async def test_the_law_with_sigkill(law_mesh: Mesh, fmt: str, stream: bool, logprobs: bool) -> None:
+    body = kill_case(fmt, stream, logprobs)
+    frontend = frontend_of(law_mesh)
+    logged = len(attempts_logged(frontend))
+    expected = content(fmt, body, await call(law_mesh, fmt, body, stream))
+    killed: list[str] = []
+    replacement: list[Service] = []
+
+    async with worker_faults(law_mesh) as control:
+
+        async def kill() -> None:
+            victim = await serving_worker(control)
+            service = next(s for s in law_mesh.services if s.name == victim)
+            service.kill()
+            killed.append(victim)
+            replacement.append(law_mesh.add_worker(wait=False, **WORKER_OPTS))
+
+        async def after_chunks(n: int, event: Any) -> None:
+            if n == 3 and not killed:
+                await kill()
+
+        if stream:
+            result = await call(law_mesh, fmt, body, stream, on_event=after_chunks)
+        else:
+            task = asyncio.create_task(call(law_mesh, fmt, body, stream))
+            await serving_worker(control)
+            await asyncio.sleep(0.03)  # a few tokens in
+            await kill()
+            result = await task
+    assert killed, "the request ended before the kill"
+    assert content(fmt, body, result) == expected
+    attempts = attempts_logged(frontend)[logged:]
+    assert [(n, delivered > 0) for _, n, _, delivered in attempts] == [(2, True)], attempts
+    # The mesh keeps 3 workers, and forgets the dead one (the frontend and the router,
+    # each on its own clock), before the next case.
+    new = replacement[0].name
+    await asyncio.to_thread(
+        law_mesh.wait_for_workers,
+        lambda ids: new in ids and killed[0] not in ids,
+        15.0,
+        f"{new} to join and {killed[0]} to leave",
+    )
+    router = next(s for s in law_mesh.services if s.role == "router")
+    dropped = f"worker {killed[0]} missed its heartbeats"
+    await asyncio.to_thread(
+        wait_until, lambda: dropped in router.log(), 15.0, 0.05, "the router to drop it"
+    )
+
+
+# ---------------------------------------------------------------- engine adapters
+
+
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def adapter_mesh(
+    request: pytest.FixtureRequest, nats_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Mesh, dict[str, str]]]:
+    """1 router, 2 workers each in front of its own mock engine server, a frontend."""
+    engine: str = request.param
+    mesh = Mesh(nats_url, tmp_path_factory.mktemp(f"adapter-{engine}"), unique_namespace(engine))
+    servers: dict[str, str] = {}
+    try:
+        mesh.add_router(wait=False)
+        for _ in range(2):
+            _, url = mesh.spawn_engine_server(
+                engine,
+                "--vocab-size", str(VOCAB),
+                "--eos-token-id", str(EOS),
+                "--token-delay-ms", str(TOKEN_DELAY_MS),
+            )  # fmt: skip
+            worker = mesh.add_worker(engine=engine, engine_url=url, wait=False)
+            servers[worker.name] = url
+        mesh.add_frontend()
+        mesh.wait_for_workers(lambda ids: set(servers) <= ids, what="the adapter workers")
+        for service in mesh.services:
+            if service.role == "router":
+                mesh.wait_for_router(service)
+    except BaseException:
+        print(mesh.logs())
+        mesh.stop()
+        raise
+    yield mesh, servers
+    mesh.stop()
+
+
+@contextlib.asynccontextmanager
+async def server_faults(servers: dict[str, str]) -> AsyncIterator[ServerFaults]:
+    async with aiohttp.ClientSession() as session:
+        yield ServerFaults(session, servers)
+
+
+def test_the_law_through_the_engine_adapters(
+    adapter_mesh: tuple[Mesh, dict[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    mesh, servers = adapter_mesh
+    engine = next(s.args for s in mesh.services if s.role == "engine")[4]
+    run_law(
+        mesh,
+        lambda: server_faults(servers),
+        ADAPTER_EXAMPLES,
+        # Routed experts only through SGLang: the vLLM adapter refuses them.
+        st.tuples(cases(routed_experts=engine == "sglang"), faults(SERVER_FAULTS[engine])),
+        f"migration law, engine faults, {engine} adapter",
+        capsys,
+    )
+
+
+# ---------------------------------------------------------------- gaps found and closed
+
+
+async def fault_where_it_lands(
+    mesh: Mesh, control: FaultControl, fmt: str, body: dict[str, Any], fault: dict[str, Any]
+) -> tuple[Result, Result]:
+    """The uninterrupted run, then the same request with `fault` where it will land."""
+    served, reference = await landing(control, lambda: call(mesh, fmt, body, False))
+    await control.inject(successor(control, served), fault)
+    try:
+        return reference, await call(mesh, fmt, body, False)
+    finally:
+        await control.clear()
+
+
+@pytest.mark.parametrize("adapter_mesh", ["sglang"], indirect=True)
+async def test_routed_experts_survive_a_migration_through_the_sglang_adapter(
+    adapter_mesh: tuple[Mesh, dict[str, str]],
+) -> None:
+    mesh, servers = adapter_mesh
+    body = {
+        "input_ids": [4, 5, 6],
+        "rid": "experts",
+        "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+        "return_routed_experts": True,
+        "routed_experts_start_len": 1,
+    }
+    async with server_faults(servers) as control:
+        reference, result = await fault_where_it_lands(
+            mesh, control, "sglang", body, {"kind": "drop", "after_tokens": 5}
+        )
+    assert result.status == 200, result.body
+    got, expected = content("sglang", body, result), content("sglang", body, reference)
+    assert differences(got, expected) == []
+
+
+async def test_sglang_repetition_penalty_refuses_migration(law_mesh: Mesh) -> None:
+    body = {
+        "input_ids": [4, 5, 6],
+        "rid": "repetition",
+        "sampling_params": {"max_new_tokens": 12, "repetition_penalty": 1.3},
+    }
+    async with worker_faults(law_mesh) as control:
+        _, result = await fault_where_it_lands(
+            law_mesh, control, "sglang", body, {"kind": "drop", "after_tokens": 4}
+        )
+    assert result.status == 503
+    assert "not migrated: repetition_penalty" in result.body["message"]
