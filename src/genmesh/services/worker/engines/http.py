@@ -33,6 +33,29 @@ class HttpEngineConfig:
         return self.url.rstrip("/")
 
 
+class HttpEngineBase:
+    """The HTTP session every HTTP engine adapter owns: made inside the running loop on
+    first use, closed (and made again if needed) by close()."""
+
+    def __init__(self, config: HttpEngineConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = new_session(self.config)
+        return self._session
+
+    async def start(self) -> None:
+        self.session  # noqa: B018 - created here, inside the running loop
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 def new_session(config: HttpEngineConfig) -> aiohttp.ClientSession:
     timeout = aiohttp.ClientTimeout(
         total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s

@@ -31,10 +31,10 @@ import aiohttp
 
 from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
 from genmesh.services.worker.engines.http import (
+    HttpEngineBase,
     HttpEngineConfig,
     http_error,
     incomplete,
-    new_session,
     sse_events,
     unavailable,
 )
@@ -154,27 +154,12 @@ class _Cursor:
         return new
 
 
-class SglangEngine:
+class SglangEngine(HttpEngineBase):
     name = "sglang"
 
     def __init__(self, config: HttpEngineConfig) -> None:
-        self.config = config
-        self._session: aiohttp.ClientSession | None = None
+        super().__init__(config)
         self._server_info: dict[str, Any] = {}
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = new_session(self.config)
-        return self._session
-
-    async def start(self) -> None:
-        self.session  # noqa: B018 - created here, inside the running loop
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     def describe(self) -> dict[str, Any]:
         info = self._server_info

@@ -44,10 +44,10 @@ import orjson
 
 from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
 from genmesh.services.worker.engines.http import (
+    HttpEngineBase,
     HttpEngineConfig,
     http_error,
     incomplete,
-    new_session,
     sse_events,
     unavailable,
 )
@@ -405,31 +405,16 @@ def _streams(response: aiohttp.ClientResponse) -> bool:
 # ------------------------------------------------------------------------------ engine
 
 
-class VllmEngine:
+class VllmEngine(HttpEngineBase):
     name = "vllm"
 
     def __init__(self, config: HttpEngineConfig) -> None:
-        self.config = config
-        self._session: aiohttp.ClientSession | None = None
+        super().__init__(config)
         # Facts learnt from the server by healthy(); forgotten while it is down.
         self._model: str | None = None
         self._max_model_len: int | None = None
         # Whether POST /abort_requests exists (None = not known yet).
         self._abort_offered: bool | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = new_session(self.config)
-        return self._session
-
-    async def start(self) -> None:
-        self.session  # noqa: B018 - created here, inside the running loop
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     def describe(self) -> dict[str, Any]:
         return {
