@@ -84,6 +84,9 @@ class Mesh:
     http_port: int = 0
     # Variables for every genmesh process of the mesh (e.g. OTEL_*), under per-call `env`.
     env: dict[str, str] = field(default_factory=dict)
+    # Per role ("frontend", "router", "worker"), variables over `env`: NATS credentials
+    # (GENMESH_NATS_USER, GENMESH_NATS_PASSWORD, ...), so each role logs in as itself.
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def http_url(self) -> str:
@@ -103,6 +106,7 @@ class Mesh:
             k: v for k, v in os.environ.items() if not k.startswith(("GENMESH_", "OTEL_"))
         }
         environment.update(self.env)
+        environment.update(self.role_env.get(role, {}))
         environment.update(env or {})
         with log_path.open("wb") as log:
             process = subprocess.Popen(
@@ -259,8 +263,9 @@ def start_mesh(
     routers: int = 1,
     worker_opts: dict[str, Any] | None = None,
     frontend_args: tuple[str, ...] = (),
+    role_env: dict[str, dict[str, str]] | None = None,
 ) -> Mesh:
-    mesh = Mesh(nats_url, workdir, namespace)
+    mesh = Mesh(nats_url, workdir, namespace, role_env=dict(role_env or {}))
     try:
         for _ in range(routers):
             mesh.add_router(wait=False)

@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from genmesh.formats.catalog import ConfigError
-from genmesh.shared.bus import NatsUnreachable
+from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable
 from genmesh.shared.natsserver import NatsServer, NatsServerError
 
 
@@ -50,6 +50,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
                 ping_after_s=args.ping_after,
                 request_timeout_s=args.request_timeout or None,
                 records=_records_config(args),
+                auth=NatsAuth.from_args(args),
             )
         )
     )
@@ -96,6 +97,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             args.router_policy,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            auth=NatsAuth.from_args(args),
         )
     )
 
@@ -142,6 +144,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             testkit_faults=args.testkit_faults,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            auth=NatsAuth.from_args(args),
         )
     )
 
@@ -252,9 +255,13 @@ async def _request(args: argparse.Namespace, envelope: Any) -> int:
         return _fail(str(exc))
     try:
         client = await MeshClient.connect(
-            args.nats_url, args.namespace, codec=args.codec, idle_timeout_s=args.timeout
+            args.nats_url,
+            args.namespace,
+            codec=args.codec,
+            idle_timeout_s=args.timeout,
+            auth=NatsAuth.from_args(args),
         )
-    except (NatsUnreachable, LookupError) as exc:
+    except (NatsUnreachable, NatsAuthError, LookupError) as exc:
         return _fail(str(exc))
     status = 1
     async with client, tracing.running("client"):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
 import signal
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from genmesh.shared.bus import NatsUnreachable, connect
+from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable, connect, redact
 from genmesh.shared.ids import new_worker_id
 from genmesh.shared.natsserver import NatsServer, NatsServerError
 
@@ -37,15 +38,17 @@ def _say(message: str) -> None:
     print(f"genmesh up: {message}", file=sys.stderr, flush=True)
 
 
-async def _spawn(role: str, label: str, args: list[str]) -> Child:
+async def _spawn(
+    role: str, label: str, args: list[str], env: dict[str, str] | None = None
+) -> Child:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "genmesh", role, *args, stdin=asyncio.subprocess.DEVNULL
+        sys.executable, "-m", "genmesh", role, *args, stdin=asyncio.subprocess.DEVNULL, env=env
     )
     return Child(role, label, process)
 
 
-async def _probe_nats(url: str) -> None:
-    nc = await connect(url, name="genmesh-up-probe")
+async def _probe_nats(url: str, auth: NatsAuth) -> None:
+    nc = await connect(url, name="genmesh-up-probe", auth=auth)
     await nc.close()
 
 
@@ -127,11 +130,16 @@ async def _up(args: argparse.Namespace) -> int:
         _say(str(exc))
         return 2
     server: NatsServer | None = None
+    auth = NatsAuth.from_args(args)
+    # Children get the credentials in their environment, never on their command line;
+    # exactly ours (flags and variables resolved), none of the inherited variables.
+    auth_vars = {"GENMESH_NATS_" + f.upper() for f in NatsAuth.__dataclass_fields__}
+    child_env = {k: v for k, v in os.environ.items() if k not in auth_vars} | auth.to_env()
     if args.nats_url:
         url = args.nats_url
         try:
-            await _probe_nats(url)
-        except NatsUnreachable as exc:
+            await _probe_nats(url, auth)
+        except (NatsUnreachable, NatsAuthError) as exc:
             _say(str(exc))
             return 2
     else:
@@ -172,6 +180,7 @@ async def _up(args: argparse.Namespace) -> int:
                     "router",
                     f"router {i + 1}",
                     [*common, "--router-policy", args.router_policy, *metrics_args()],
+                    child_env,
                 )
             )
         for plan in plans:
@@ -181,11 +190,15 @@ async def _up(args: argparse.Namespace) -> int:
                     "worker",
                     f"worker {wid}",
                     [*common, "--worker-id", wid, *worker_args, *plan, *metrics_args()],
+                    child_env,
                 )
             )
         children.append(
             await _spawn(
-                "frontend", "frontend", [*common, "--host", args.host, "--port", str(args.port)]
+                "frontend",
+                "frontend",
+                [*common, "--host", args.host, "--port", str(args.port)],
+                child_env,
             )
         )
         http_url = f"http://{args.host}:{args.port}"
@@ -222,7 +235,7 @@ def _print_summary(
     origin = f"embedded, pid {server.pid}" if server else "external"
     lines = [
         f"genmesh is up (namespace {args.namespace!r})",
-        f"  NATS      {nats_url}  ({origin})",
+        f"  NATS      {redact(nats_url)}  ({origin})",
     ]
     for child in children:
         if child.role != "frontend":

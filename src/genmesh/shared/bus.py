@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
+import ssl
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import AuthorizationError
 
 from genmesh.codecs import Codec, get_codec
 
@@ -39,10 +45,172 @@ def on_reconnect(nc: Client, hook: Callable[[], Awaitable[None]]) -> None:
     _reconnect_hooks.setdefault(nc, []).append(hook)
 
 
+# Run when the server refuses a publish of `nc` (a permissions violation), with the subject
+# as nats-py reports it: lowercased.
+_denied_hooks: weakref.WeakKeyDictionary[Client, list[Callable[[str], None]]] = (
+    weakref.WeakKeyDictionary()
+)
+_DENIED_PUBLISH = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
+
+
+def on_publish_denied(nc: Client, hook: Callable[[str], None]) -> None:
+    """Call `hook(subject)` whenever the server refuses a publish of `nc` (only for
+    connections made by `connect`). nats-py lowercases the subject in its report.
+
+    A responder needs this: with `allow_responses` the right to answer a request belongs
+    to the connection that received it, so after a reconnect (to another cluster node, or
+    the same server) the rest of a stream is refused."""
+    _denied_hooks.setdefault(nc, []).append(hook)
+
+
 class NatsUnreachable(ConnectionError):
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(f"cannot reach NATS at {url}: {reason}")
         self.url = url
+
+
+class NatsAuthError(ValueError):
+    """Credentials or TLS settings that cannot be used (a missing file, a bad seed, ...)."""
+
+
+# An nkey user seed: 'S' (seed) + 'U' (user), base32, 58 characters in all.
+_USER_SEED = re.compile(r"^SU[A-Z2-7]{56}$")
+
+
+def _read_secret(path: str, what: str) -> str:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise NatsAuthError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
+    secret = text.strip()  # a trailing newline is no part of a secret
+    if not secret:
+        raise NatsAuthError(f"the {what} file {path} is empty")
+    return secret
+
+
+@dataclass(frozen=True, slots=True)
+class NatsAuth:
+    """How a service proves who it is to NATS, and how it checks the server (TLS).
+
+    Every field is optional; the server decides which it needs. `password_file` and
+    `token_file` are read when the connection is made (a secret mounted as a file never
+    has to be in the environment); `nkey_seed` is a seed file, or the seed itself
+    (`SU...`); `creds` is a JWT credentials file (operator mode).
+    """
+
+    user: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    token: str | None = None
+    token_file: str | None = None
+    nkey_seed: str | None = None
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_handshake_first: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any) -> NatsAuth:
+        """From parsed CLI options (`--nats-user` ... of `genmesh.cli`)."""
+        values: dict[str, Any] = {
+            f.name: getattr(args, f"nats_{f.name}", None) for f in fields(cls)
+        }
+        values["tls_handshake_first"] = bool(values["tls_handshake_first"])
+        return cls(**values)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert or self.tls_handshake_first)
+
+    def check(self) -> None:
+        """Refuse contradictory settings before connecting (one line each)."""
+        if self.password and self.password_file:
+            raise NatsAuthError("give --nats-password or --nats-password-file, not both")
+        if self.token and self.token_file:
+            raise NatsAuthError("give --nats-token or --nats-token-file, not both")
+        if (self.password or self.password_file) and not self.user:
+            raise NatsAuthError("a NATS password needs --nats-user")
+        ways = [
+            bool(self.user),
+            bool(self.token or self.token_file),
+            bool(self.nkey_seed),
+            bool(self.creds),
+        ]
+        if sum(ways) > 1:
+            raise NatsAuthError(
+                "give one way to authenticate to NATS: a user and password, a token, "
+                "an nkey seed or a creds file"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise NatsAuthError("--nats-tls-cert and --nats-tls-key go together")
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect`."""
+        self.check()
+        options: dict[str, Any] = {}
+        if self.user:
+            options["user"] = self.user
+            password = self.password
+            if self.password_file:
+                password = _read_secret(self.password_file, "NATS password")
+            if password:
+                options["password"] = password
+        if self.token or self.token_file:
+            token = self.token or _read_secret(str(self.token_file), "NATS token")
+            options["token"] = token
+        if self.nkey_seed:
+            if _USER_SEED.match(self.nkey_seed.strip()):
+                options["nkeys_seed_str"] = self.nkey_seed.strip()
+            else:
+                seed = _read_secret(self.nkey_seed, "nkey seed")
+                if not _USER_SEED.match(seed):
+                    raise NatsAuthError(f"{self.nkey_seed} does not hold an nkey user seed (SU...)")
+                options["nkeys_seed_str"] = seed
+        if self.creds:
+            if not Path(self.creds).is_file():
+                raise NatsAuthError(f"the NATS creds file {self.creds} does not exist")
+            options["user_credentials"] = self.creds
+        if self.tls:
+            options["tls"] = self.ssl_context()
+            if self.tls_handshake_first:
+                options["tls_handshake_first"] = True
+        return options
+
+    def ssl_context(self) -> ssl.SSLContext:
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca or None)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise NatsAuthError(f"cannot load the NATS TLS files: {exc}") from exc
+        return context
+
+    def to_env(self) -> dict[str, str]:
+        """The GENMESH_NATS_* variables that give a child process these settings (secrets
+        travel in its environment, never on its command line)."""
+        env: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value:
+                env["GENMESH_NATS_" + f.name.upper()] = "true" if value is True else str(value)
+        return env
+
+
+NO_AUTH = NatsAuth()
+
+
+def server_list(url: str) -> list[str]:
+    """`--nats-url` may list several servers (a cluster), comma-separated."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ValueError("no NATS server URL given")
+    return servers
+
+
+def redact(url: str) -> str:
+    """A server URL (or list) without the password or token it may carry."""
+    return re.sub(r"//[^/@,]*@", "//***@", url)
 
 
 def header(msg: Msg, name: str) -> str | None:
@@ -83,13 +251,25 @@ async def connect(
     name: str,
     inbox_prefix: str = "_INBOX",
     reconnect_wait_s: float = 0.5,
+    auth: NatsAuth | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Client:
     """Connect, failing fast when NATS is unreachable; once up, reconnect forever.
+
+    `url` may list several servers, comma-separated (a cluster; nats-py also learns the
+    cluster's other servers from the one it reaches). `auth`: credentials and TLS.
+    `options`: more keyword arguments for `nats.connect` (tests).
 
     nats-py runs its reconnect loop on the first connect too (60 tries, 2 s apart, with
     the defaults), so the first connect gets two quick tries and reconnection without
     limit is switched on only once connected.
     """
+    servers = server_list(url)
+    shown = redact(url)
+    extra = (auth or NO_AUTH).connect_options()  # NatsAuthError: before any network
+    if options:
+        extra.update(options)
+    user_error_cb = extra.pop("error_cb", None)
     connected = False
     nc: Client
     first_errors: list[Exception] = []
@@ -97,40 +277,73 @@ async def connect(
     async def on_error(exc: Exception) -> None:
         if connected:
             log.warning("NATS (%s): %s", name, exc)
+            denied = _DENIED_PUBLISH.search(str(exc))
+            if denied:
+                for hook in list(_denied_hooks.get(nc, ())):
+                    try:
+                        hook(denied.group(1).lower())
+                    except Exception as hook_exc:
+                        log.warning("NATS (%s): on a refused publish: %s", name, hook_exc)
         else:  # reported once, as NatsUnreachable, by the caller
             first_errors.append(exc)
+        if user_error_cb is not None:
+            await user_error_cb(exc)
 
     async def on_disconnected() -> None:
         if not (nc.is_closed or nc.is_draining):  # a deliberate close is no news
-            log.warning("NATS (%s): disconnected from %s", name, url)
+            log.warning("NATS (%s): disconnected from %s", name, _server_of(nc) or shown)
 
     async def on_reconnected() -> None:
-        log.info("NATS (%s): reconnected", name)
+        log.info("NATS (%s): reconnected to %s", name, _server_of(nc) or shown)
         for hook in list(_reconnect_hooks.get(nc, ())):
             try:
                 await hook()
             except Exception as exc:
                 log.warning("NATS (%s): after reconnecting: %s", name, exc)
 
+    # nats-py can wait forever on a TLS handshake that fails verification: bound it.
+    limit_s = (CONNECT_TIMEOUT_S + 1.0) * 2 * len(servers)
     try:
-        nc = await nats.connect(
-            url,
-            name=name,
-            inbox_prefix=inbox_prefix,
-            connect_timeout=CONNECT_TIMEOUT_S,
-            max_reconnect_attempts=1,
-            reconnect_time_wait=0.1,
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-        )
+        async with asyncio.timeout(limit_s):
+            nc = await nats.connect(
+                servers,
+                name=name,
+                inbox_prefix=inbox_prefix,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.1,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **extra,
+            )
+    except TimeoutError as exc:
+        cause = first_errors[-1] if first_errors else exc
+        why = str(cause) or f"no connection within {limit_s:g}s"
+        raise NatsUnreachable(shown, why) from exc
     except Exception as exc:
         cause = first_errors[-1] if first_errors else exc
-        raise NatsUnreachable(url, str(cause) or type(cause).__name__) from exc
+        if any(_is_auth_error(e) for e in [*first_errors, exc]):
+            raise NatsUnreachable(
+                shown, "the server refused the credentials (authorization violation)"
+            ) from exc
+        raise NatsUnreachable(shown, str(cause) or type(cause).__name__) from exc
     connected = True
     nc.options["max_reconnect_attempts"] = -1
     nc.options["reconnect_time_wait"] = reconnect_wait_s
     return nc
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    return isinstance(exc, AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
+def _server_of(nc: Client) -> str | None:
+    """The server `nc` is connected to now (host:port)."""
+    uri = getattr(nc, "connected_url", None)
+    if uri is None:
+        return None
+    return f"{uri.hostname}:{uri.port}"
 
 
 async def unsubscribe_quietly(sub: Subscription | None) -> None:

@@ -45,12 +45,14 @@ class NatsServer:
         jetstream: bool = False,
         config_file: str | None = None,
         extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.jetstream = jetstream
         self.config_file = config_file
         self.extra_args = extra_args or []
+        self.env = env  # the server's environment (a config's $VARIABLES); None = ours
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="genmesh-nats-")
         self.log_path = Path(self._dir.name) / "nats-server.log"
@@ -64,7 +66,11 @@ class NatsServer:
             args += ["-c", self.config_file]
         args += self.extra_args
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=self.env,
         )
         deadline = time.monotonic() + timeout_s
         port: str | None = None

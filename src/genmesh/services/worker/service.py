@@ -28,6 +28,7 @@ from genmesh.shared.bus import (
     STREAM_TERMINATOR,
     codec_headers,
     message_codec,
+    on_publish_denied,
     publish,
     unsubscribe_quietly,
 )
@@ -126,6 +127,7 @@ class Worker:
         if not self._engine_up:
             log.warning("worker %s: waiting for its %s engine", self.worker_id, self.engine.name)
         on_generate = self._on_generate if tracing.tracer() is None else self._on_generate_traced
+        on_publish_denied(self.nc, self._on_publish_denied)
         self._subs = [
             await self.nc.subscribe(self.subject, cb=on_generate),
             await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
@@ -248,6 +250,23 @@ class Worker:
             rid = msg.data.decode(errors="replace")
             running = not rid or rid in self._active
             await self.nc.publish(msg.reply, b"" if running else PING_NOT_RUNNING)
+
+    def _on_publish_denied(self, subject: str) -> None:
+        """The server refused a frame of a stream: with `allow_responses`, the right to
+        answer a request dies with the connection that received it (after a reconnect to
+        another cluster node, say). The stream cannot go on, so stop it: its engine work
+        ends and pings answer "not running", so the requester migrates it at once instead
+        of waiting out its idle timeout. `subject` is lowercased (nats-py's report)."""
+        for active in list(self._active.values()):
+            if active.reply.lower() == subject and active.stop_reason is None:
+                log.warning(
+                    "request %s: the NATS server refuses its replies (a reconnect ended the "
+                    "right to answer it); stopping it so that its requester moves it",
+                    active.envelope.id,
+                )
+                self._stop_request(
+                    active, MeshError(ErrorCode.UNAVAILABLE, "the stream's replies are refused")
+                )
 
     async def _on_query(self, msg: Msg) -> None:
         if not self._stopping:  # a late announce would undo our leave
