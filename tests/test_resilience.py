@@ -75,6 +75,9 @@ class Job:
             "sampling_params": {
                 "max_tokens": self.max_tokens,
                 "ignore_eos": True,
+                # Greedy: a seeded sampler (temperature > 0) is refused for migration,
+                # since vLLM's per-request generator would restart on the new worker.
+                "temperature": 0.0,
                 "seed": self.seed,
             },
             "stream": self.stream,
