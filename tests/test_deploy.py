@@ -31,8 +31,8 @@ from nats.aio.msg import Msg
 
 from genmesh.cli import build_parser
 from genmesh.client import MeshClient, request
-from genmesh.deploy import ROLES, make_env, new_password, write_nkeys
-from genmesh.shared.bus import NatsAuth, NatsUnreachable, connect
+from genmesh.deploy import USERS, make_env, new_password, write_nkeys
+from genmesh.shared.bus import NatsAuth, NatsPermissionDenied, NatsUnreachable, connect
 from genmesh.shared.natsserver import NatsServer, find_nats_server
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, free_port, start_mesh, wait_until
@@ -43,7 +43,7 @@ COMPOSE = DEPLOY / "compose.yaml"
 NATS_DIR = DEPLOY / "nats"
 CONFIGS = ("mesh.conf", "mesh-nkeys.conf", "mesh-tls.conf", "cluster.conf")
 
-PASSWORDS = {role: new_password() for role in ROLES}
+PASSWORDS = {user: new_password() for user in USERS}
 # What the shipped configs read from the server's environment (compose sets the same).
 SERVER_ENV = {f"NATS_{role.upper()}_PASSWORD": pw for role, pw in PASSWORDS.items()}
 
@@ -338,10 +338,29 @@ MATRIX: list[Rule] = [
     Rule("client", "sub", ">", False, "no wildcard snooping", sample="genmesh.{ns}.cancel"),
     Rule(
         "client", "sub", "_INBOX_client.>", True,
-        "same user, same inbox prefix: tenants that must not see each other need their own "
-        "users and prefixes (docs/deploy.md)",
+        "the same user's other applications share its inbox: those that must not see each "
+        "other get users of their own, as client2",
         sample="_INBOX_client.c2.0",
     ),
+    Rule(
+        "client", "sub", "_INBOX_client2.>", False, "another client's inbox",
+        sample="_INBOX_client2.c.0",
+    ),
+    # client2: a second client application, with its own user and inbox prefix
+    Rule(
+        "client2", "sub", "_INBOX_client2.c.*", True, "its replies, under its own prefix",
+        sample="_INBOX_client2.c.0",
+    ),
+    Rule(
+        "client2", "sub", "_INBOX_client.c1.*", False, "another client's inbox",
+        sample="_INBOX_client.c1.0",
+    ),
+    Rule(
+        "client2", "sub", "_INBOX_client.>", False, "nor every inbox of that client",
+        sample="_INBOX_client.c1.0",
+    ),
+    Rule("client2", "pub", "genmesh.{ns}.router.generate", True, "requests, as every client"),
+    Rule("client2", "pub", W + ".generate", False, "no way around the routers"),
     # frontend
     Rule("frontend", "pub", "genmesh.{ns}.router.generate", True, "dispatch"),
     Rule("frontend", "pub", "genmesh.{ns}.cancel", True, "HTTP client went away"),
@@ -572,6 +591,85 @@ async def test_the_mesh_works_with_each_roles_credentials(
         assert "permissions violation" not in service.log().lower(), service.name
 
 
+async def frames_of(client: MeshClient, envelope: Any) -> list[dict[str, Any]]:
+    return [frame async for frame in client.generate(envelope)]
+
+
+async def test_a_client_reads_only_its_own_inbox(
+    secured_mesh: Mesh, secured_server: NatsServer
+) -> None:
+    """Two client applications with users of their own: each is served under its own
+    inbox prefix, and one that listens on the other's inbox hears nothing of its tokens."""
+    mesh = secured_mesh
+    snooped: list[Msg] = []
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    async def on_snooped(msg: Msg) -> None:
+        snooped.append(msg)
+
+    auth2 = NatsAuth(user="client2", password=PASSWORDS["client2"], inbox_prefix="_INBOX_client2")
+    snoop = await connect(secured_server.url, name="snoop", auth=auth2,
+                          options={"error_cb": on_error})  # fmt: skip
+    try:
+        await snoop.subscribe("_INBOX_client.>", cb=on_snooped)
+        await snoop.flush()
+        async with (
+            await MeshClient.connect(secured_server.url, mesh.namespace,
+                                     auth=role_auth("client")) as client,
+            await MeshClient.connect(secured_server.url, mesh.namespace, auth=auth2) as client2,
+        ):  # fmt: skip
+            streams = await asyncio.gather(
+                *(
+                    frames_of(c, request([1, 2, i], max_tokens=30, ignore_eos=True))
+                    for c in (client, client2)
+                    for i in range(4)
+                )
+            )
+    finally:
+        await snoop.close()
+    for frames in streams:
+        assert frames[-1]["t"] == "end", frames[-1]
+        assert sum(len(f.get("tokens", [])) for f in frames) == 30
+    assert snooped == []
+    assert any('subscription to "_inbox_client.>"' in str(e) for e in errors), errors
+
+    # client2 without its prefix: told at once, not left waiting for replies.
+    wrong_prefix = NatsAuth(user="client2", password=PASSWORDS["client2"])
+    with pytest.raises(NatsPermissionDenied, match="--nats-inbox-prefix"):
+        await MeshClient.connect(secured_server.url, mesh.namespace, auth=wrong_prefix)
+
+    # The same through `genmesh request` and its environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
+    env |= {"GENMESH_NATS_USER": "client2", "GENMESH_NATS_PASSWORD": PASSWORDS["client2"]}
+    args = [sys.executable, "-m", "genmesh", "request", "--nats-url", secured_server.url,
+            "--namespace", mesh.namespace, "--input-ids", "1,2,3", "--max-tokens", "5"]  # fmt: skip
+    refused = await asyncio.to_thread(run_quietly, args, env)
+    assert refused.returncode == 2
+    assert 'refused a subscription to "_INBOX_client.' in refused.stderr, refused.stderr
+    env["GENMESH_NATS_INBOX_PREFIX"] = "_INBOX_client2"
+    done = await asyncio.to_thread(run_quietly, args, env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["t"] == "end"
+
+
+async def test_a_service_with_the_wrong_user_stops_with_a_clear_error(
+    secured_server: NatsServer,
+) -> None:
+    """A worker given the client user cannot subscribe to its subjects: it says so and
+    exits, rather than sitting there deaf."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
+    env |= role_env("client")
+    args = [sys.executable, "-m", "genmesh", "worker", "--nats-url", secured_server.url,
+            "--namespace", unique_namespace("wrong"), "--engine", "mock"]  # fmt: skip
+    done = await asyncio.to_thread(run_quietly, args, env)
+    assert done.returncode == 2, done.stderr
+    assert "refused a subscription to" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 async def test_the_permission_matrix(secured_server: NatsServer) -> None:
     """Every row, both ways: allowed rows deliver, denied rows are refused by the server
     (a permissions violation reaches the error callback) and deliver nothing."""
@@ -684,7 +782,7 @@ async def test_nkey_users(tmp_path: Path) -> None:
     server = start_server(tmp_path / "nats", "mesh-nkeys.conf", env)
     mesh = None
     try:
-        seed = {role: str(tmp_path / "nkeys" / f"{role}.nk") for role in ROLES}
+        seed = {role: str(tmp_path / "nkeys" / f"{role}.nk") for role in USERS}
         envs = {role: {"GENMESH_NATS_NKEY_SEED": seed[role]} for role in ("router", "worker")}
         mesh = headless_mesh(server.url, tmp_path, envs)
         client_seed = (tmp_path / "nkeys" / "client.nk").read_text().strip()

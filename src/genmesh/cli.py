@@ -118,6 +118,12 @@ def _nats_auth_options(parser: argparse.ArgumentParser) -> None:
         "--nats-tls-handshake-first",
         help="start TLS before the NATS greeting (server tls { handshake_first: true })",
     )
+    option(
+        group,
+        "--nats-inbox-prefix",
+        help="subject prefix of this connection's reply inboxes, where the NATS user may "
+        "subscribe (default: the role's, e.g. _INBOX_client; see docs/deploy.md)",
+    )
 
 
 def _common(

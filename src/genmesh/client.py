@@ -46,6 +46,7 @@ from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
     NatsAuth,
+    check_subscriptions,
     codec_headers,
     connect,
     is_no_responders,
@@ -166,9 +167,11 @@ class MeshClient:
     ) -> MeshClient:
         """Connect to NATS (failing fast if unreachable) and start a client on it.
 
-        `url` may list several servers, comma-separated; `auth` holds credentials and TLS
-        settings (a secured mesh gives clients the `client` user, whose replies may only
-        arrive under the inbox prefix `_INBOX_client`: docs/deploy.md)."""
+        `url` may list several servers, comma-separated; `auth` holds credentials, TLS
+        settings and the inbox prefix: a secured mesh gives each client application a user
+        of its own, whose replies may only arrive under its own prefix (`_INBOX_client`
+        for the `client` user, the default here: docs/deploy.md). A refused inbox raises
+        NatsPermissionDenied."""
         nc = await connect(url, name=name, inbox_prefix=inbox_prefix, auth=auth)
         client = cls(nc, namespace, owns_connection=True, **kwargs)
         await client.start()
@@ -181,6 +184,7 @@ class MeshClient:
             pending_msgs_limit=_INBOX_PENDING_MSGS,
             pending_bytes_limit=_INBOX_PENDING_BYTES,
         )
+        await check_subscriptions(self.nc, self._sub)
 
     async def close(self) -> None:
         await unsubscribe_quietly(self._sub)

@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from genmesh.formats.catalog import ConfigError
-from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable
+from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsPermissionDenied, NatsUnreachable
 from genmesh.shared.natsserver import NatsServer, NatsServerError
 
 
@@ -22,7 +22,7 @@ def _fail(message: str) -> int:
 def _run_service(coro: Coroutine[Any, Any, None]) -> int:
     try:
         asyncio.run(coro)
-    except (NatsUnreachable, ConfigError, NatsServerError, ValueError) as exc:
+    except (NatsUnreachable, NatsPermissionDenied, ConfigError, NatsServerError, ValueError) as exc:
         return _fail(str(exc))
     except OSError as exc:  # e.g. the HTTP port is taken
         return _fail(f"{exc.strerror or exc}")
@@ -261,7 +261,7 @@ async def _request(args: argparse.Namespace, envelope: Any) -> int:
             idle_timeout_s=args.timeout,
             auth=NatsAuth.from_args(args),
         )
-    except (NatsUnreachable, NatsAuthError, LookupError) as exc:
+    except (NatsUnreachable, NatsAuthError, NatsPermissionDenied, LookupError) as exc:
         return _fail(str(exc))
     status = 1
     async with client, tracing.running("client"):

@@ -1,8 +1,8 @@
-"""Secrets for a secured mesh (docs/deploy.md): random passwords and nkeys per role.
+"""Secrets for a secured mesh (docs/deploy.md): random passwords and nkeys per user.
 
     python -m genmesh.deploy env [--cluster]   an .env file for deploy/compose.yaml (stdout)
-    python -m genmesh.deploy nkeys --dir DIR   one nkey seed per role in DIR/<role>.nk, and
-                                               the public keys, as NATS_<ROLE>_NKEY=U...
+    python -m genmesh.deploy nkeys --dir DIR   one nkey seed per user in DIR/<user>.nk, and
+                                               the public keys, as NATS_<USER>_NKEY=U...
                                                lines for mesh-nkeys.conf (stdout)
 
 Needs nothing but Python and genmesh's dependencies (nkeys comes with nats-py[nkeys]); no
@@ -19,8 +19,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-# The NATS users of a secured mesh, one per role (deploy/nats/permissions.conf).
-ROLES = ("frontend", "router", "worker", "client", "admin")
+# The NATS users of a secured mesh (deploy/nats/permissions.conf): one per service role,
+# and one per client application, each reading its replies under its own inbox prefix.
+USERS = ("frontend", "router", "worker", "client", "client2", "admin")
 
 
 _LETTERS = string.ascii_letters
@@ -34,9 +35,9 @@ def new_password(length: int = 32) -> str:
 
 
 def make_env(*, cluster: bool = False) -> str:
-    """Lines for deploy/.env: a random password per role (and the route password)."""
+    """Lines for deploy/.env: a random password per user (and the route password)."""
     lines = ["# genmesh compose secrets (python -m genmesh.deploy env); keep this file private"]
-    lines += [f"NATS_{role.upper()}_PASSWORD={new_password()}" for role in ROLES]
+    lines += [f"NATS_{user.upper()}_PASSWORD={new_password()}" for user in USERS]
     lines.append(f"NATS_CLUSTER_PASSWORD={new_password()}")
     if cluster:
         lines += [
@@ -58,17 +59,17 @@ def make_nkey() -> tuple[str, str]:
     return seed.decode(), public.decode()
 
 
-def write_nkeys(directory: Path, roles: Sequence[str] = ROLES) -> dict[str, str]:
-    """A seed file `<role>.nk` (mode 0600) per role; returns each role's public key."""
+def write_nkeys(directory: Path, users: Sequence[str] = USERS) -> dict[str, str]:
+    """A seed file `<user>.nk` (mode 0600) per user; returns each user's public key."""
     directory.mkdir(parents=True, exist_ok=True)
     public: dict[str, str] = {}
-    for role in roles:
+    for user in users:
         seed, key = make_nkey()
-        path = directory / f"{role}.nk"
+        path = directory / f"{user}.nk"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(seed + "\n")
-        public[role] = key
+        public[user] = key
     return public
 
 
@@ -78,21 +79,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Make secrets for a secured genmesh mesh (see docs/deploy.md).",
     )
     actions = parser.add_subparsers(dest="action", required=True)
-    env = actions.add_parser("env", help="print an .env file with a random password per role")
+    env = actions.add_parser("env", help="print an .env file with a random password per user")
     env.add_argument("--cluster", action="store_true", help="also switch on the cluster profile")
-    keys = actions.add_parser("nkeys", help="make an nkey seed per role; print the public keys")
+    keys = actions.add_parser("nkeys", help="make an nkey seed per user; print the public keys")
     keys.add_argument("--dir", required=True, type=Path, help="where the seed files go")
     keys.add_argument(
-        "--role", action="append", choices=ROLES, help="only these roles (default: all)"
+        "--user", action="append", choices=USERS, help="only these users (default: all)"
     )
     args = parser.parse_args(argv)
     if args.action == "env":
         sys.stdout.write(make_env(cluster=args.cluster))
         return 0
-    public = write_nkeys(args.dir, args.role or ROLES)
-    print(f"# seeds in {args.dir}/<role>.nk (keep them private); public keys for the server:")
-    for role, key in public.items():
-        print(f"NATS_{role.upper()}_NKEY={key}")
+    public = write_nkeys(args.dir, args.user or USERS)
+    print(f"# seeds in {args.dir}/<user>.nk (keep them private); public keys for the server:")
+    for user, key in public.items():
+        print(f"NATS_{user.upper()}_NKEY={key}")
     return 0
 
 

@@ -17,6 +17,7 @@ def test_the_cli_options_and_their_variables(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("GENMESH_NATS_USER", "worker")
     monkeypatch.setenv("GENMESH_NATS_PASSWORD_FILE", "/run/secrets/worker")
     monkeypatch.setenv("GENMESH_NATS_TLS_HANDSHAKE_FIRST", "true")
+    monkeypatch.setenv("GENMESH_NATS_INBOX_PREFIX", "_INBOX_w")
     args = build_parser().parse_args(["worker", "--nats-tls-ca", "ca.pem"])
     auth = NatsAuth.from_args(args)
     assert auth == NatsAuth(
@@ -24,7 +25,9 @@ def test_the_cli_options_and_their_variables(monkeypatch: pytest.MonkeyPatch) ->
         password_file="/run/secrets/worker",
         tls_ca="ca.pem",
         tls_handshake_first=True,
+        inbox_prefix="_INBOX_w",
     )
+    assert NatsAuth(inbox_prefix="_INBOX_client2.app-1").connect_options() == {}
     # to_env is what `genmesh up` gives its children: the same settings again.
     for key, value in auth.to_env().items():
         monkeypatch.setenv(key, value)
@@ -90,6 +93,10 @@ def test_contradictions_are_refused_before_connecting(tmp_path: Path) -> None:
         (NatsAuth(tls_cert="c.pem"), "go together"),
         (NatsAuth(creds=str(tmp_path / "none.creds")), "does not exist"),
         (NatsAuth(tls_ca=str(tmp_path / "none.pem")), "cannot load the NATS TLS files"),
+        (NatsAuth(inbox_prefix="_INBOX_a.>"), "is not a NATS subject"),
+        (NatsAuth(inbox_prefix="_INBOX a"), "is not a NATS subject"),
+        (NatsAuth(inbox_prefix="_INBOX_a."), "is not a NATS subject"),
+        (NatsAuth(inbox_prefix=""), "is not a NATS subject"),
     ]
     for auth, message in cases:
         with pytest.raises(NatsAuthError, match=message):

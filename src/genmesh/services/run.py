@@ -103,8 +103,13 @@ async def start_frontend(opts: FrontendOptions) -> RunningFrontend:
         ping_after_s=opts.ping_after_s,
         directory=directory,  # a worker that leaves discovery is a migration trigger
     )
-    await client.start()
-    await directory.start()
+    try:
+        await client.start()
+        await directory.start()
+    except BaseException:
+        await directory.close()
+        await nc.close()
+        raise
     state = FrontendState(
         backend=MeshBackend(nc, client, directory, opts.namespace),
         namespace=opts.namespace,
@@ -176,8 +181,8 @@ async def serve_router(
         stop_signals() as stop,
         serving_metrics(metrics_host, metrics_port, lambda: router_registry(router)),
     ):
-        await router.start()
         try:
+            await router.start()
             await stop.wait()
             log.info("router %s stopping", router_id)
         finally:
@@ -213,8 +218,8 @@ async def serve_worker(
         stop_signals() as stop,
         serving_metrics(metrics_host, metrics_port, lambda: worker_registry(service)),
     ):
-        await service.start()
         try:
+            await service.start()
             await stop.wait()
             log.info("worker %s stopping", worker.worker_id)
         finally:

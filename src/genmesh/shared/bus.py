@@ -50,7 +50,11 @@ def on_reconnect(nc: Client, hook: Callable[[], Awaitable[None]]) -> None:
 _denied_hooks: weakref.WeakKeyDictionary[Client, list[Callable[[str], None]]] = (
     weakref.WeakKeyDictionary()
 )
-_DENIED_PUBLISH = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
+# Subjects the server refused `nc` a subscription to, as nats-py reports them (lowercased).
+_denied_subscriptions: weakref.WeakKeyDictionary[Client, set[str]] = weakref.WeakKeyDictionary()
+_DENIED = re.compile(
+    r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE
+)
 
 
 def on_publish_denied(nc: Client, hook: Callable[[str], None]) -> None:
@@ -61,6 +65,34 @@ def on_publish_denied(nc: Client, hook: Callable[[str], None]) -> None:
     to the connection that received it, so after a reconnect (to another cluster node, or
     the same server) the rest of a stream is refused."""
     _denied_hooks.setdefault(nc, []).append(hook)
+
+
+async def check_subscriptions(nc: Client, *subs: Subscription) -> None:
+    """Raise NatsPermissionDenied if the server refused any of `subs` (only for connections
+    made by `connect`).
+
+    The server refuses a subscription with an asynchronous error, after which the
+    subscription just stays silent: a requester whose inbox is refused would wait for
+    answers that never come. The server answers in order, so once a PING sent after the
+    SUBs has its PONG, every refusal has arrived. But nats-py writes a flush's PING
+    straight to the socket, ahead of commands its flusher task has not written yet (a
+    SUB just made: about one time in five, measured): the first round trip lets the
+    flusher run, the second is ordered after the SUBs."""
+    await nc.flush(timeout=10)
+    await nc.flush(timeout=10)
+    denied = _denied_subscriptions.get(nc, set())
+    for sub in subs:
+        if sub.subject.lower() in denied:
+            raise NatsPermissionDenied(sub.subject)
+
+
+class NatsPermissionDenied(PermissionError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(
+            f'the NATS server refused a subscription to "{subject}": this NATS user may not '
+            "subscribe there (check --nats-user and, for reply inboxes, --nats-inbox-prefix; "
+            "docs/deploy.md)"
+        )
 
 
 class NatsUnreachable(ConnectionError):
@@ -90,12 +122,15 @@ def _read_secret(path: str, what: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class NatsAuth:
-    """How a service proves who it is to NATS, and how it checks the server (TLS).
+    """How a service proves who it is to NATS, where its replies arrive, and how it checks
+    the server (TLS).
 
     Every field is optional; the server decides which it needs. `password_file` and
     `token_file` are read when the connection is made (a secret mounted as a file never
     has to be in the environment); `nkey_seed` is a seed file, or the seed itself
-    (`SU...`); `creds` is a JWT credentials file (operator mode).
+    (`SU...`); `creds` is a JWT credentials file (operator mode). `inbox_prefix` replaces
+    the role's own (`_INBOX_client`, ...): a secured mesh lets each user subscribe under
+    its own prefix only, so that no one reads another's replies.
     """
 
     user: str | None = None
@@ -109,6 +144,7 @@ class NatsAuth:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_handshake_first: bool = False
+    inbox_prefix: str | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> NatsAuth:
@@ -144,6 +180,11 @@ class NatsAuth:
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise NatsAuthError("--nats-tls-cert and --nats-tls-key go together")
+        if self.inbox_prefix is not None and not _SUBJECT.fullmatch(self.inbox_prefix):
+            raise NatsAuthError(
+                f"--nats-inbox-prefix {self.inbox_prefix!r} is not a NATS subject "
+                "(dot-separated tokens, no wildcards or spaces)"
+            )
 
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for `nats.connect`."""
@@ -198,6 +239,7 @@ class NatsAuth:
 
 
 NO_AUTH = NatsAuth()
+_SUBJECT = re.compile(r"[^.*>\s]+(\.[^.*>\s]+)*")
 
 
 def server_list(url: str) -> list[str]:
@@ -257,8 +299,9 @@ async def connect(
     """Connect, failing fast when NATS is unreachable; once up, reconnect forever.
 
     `url` may list several servers, comma-separated (a cluster; nats-py also learns the
-    cluster's other servers from the one it reaches). `auth`: credentials and TLS.
-    `options`: more keyword arguments for `nats.connect` (tests).
+    cluster's other servers from the one it reaches). `auth`: credentials and TLS, and
+    the inbox prefix if it overrides `inbox_prefix` (the role's). `options`: more keyword
+    arguments for `nats.connect` (tests).
 
     nats-py runs its reconnect loop on the first connect too (60 tries, 2 s apart, with
     the defaults), so the first connect gets two quick tries and reconnection without
@@ -277,11 +320,13 @@ async def connect(
     async def on_error(exc: Exception) -> None:
         if connected:
             log.warning("NATS (%s): %s", name, exc)
-            denied = _DENIED_PUBLISH.search(str(exc))
-            if denied:
+            denied = _DENIED.search(str(exc))
+            if denied and denied.group(1).lower() == "subscription":
+                _denied_subscriptions.setdefault(nc, set()).add(denied.group(2).lower())
+            elif denied:
                 for hook in list(_denied_hooks.get(nc, ())):
                     try:
-                        hook(denied.group(1).lower())
+                        hook(denied.group(2).lower())
                     except Exception as hook_exc:
                         log.warning("NATS (%s): on a refused publish: %s", name, hook_exc)
         else:  # reported once, as NatsUnreachable, by the caller
@@ -308,7 +353,7 @@ async def connect(
             nc = await nats.connect(
                 servers,
                 name=name,
-                inbox_prefix=inbox_prefix,
+                inbox_prefix=(auth or NO_AUTH).inbox_prefix or inbox_prefix,
                 connect_timeout=CONNECT_TIMEOUT_S,
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0.1,

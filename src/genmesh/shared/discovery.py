@@ -23,7 +23,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import CodecError, UnknownCodecError, get_codec
-from genmesh.shared.bus import message_codec, on_reconnect, publish, unsubscribe_quietly
+from genmesh.shared.bus import (
+    check_subscriptions,
+    message_codec,
+    on_reconnect,
+    publish,
+    unsubscribe_quietly,
+)
 from genmesh.shared.ids import is_subject_token
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner
@@ -88,6 +94,7 @@ class WorkerDirectory:
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(self.subjects.discovery, cb=self._on_message)
+        await check_subscriptions(self.nc, self._sub)
         await self._query()
         # Back from a NATS outage (which expired everyone): ask again, not a heartbeat later.
         on_reconnect(self.nc, self._query)

@@ -20,6 +20,7 @@ from genmesh.services.router.policies import Policy, make_policy
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     STREAM_TERMINATOR,
+    check_subscriptions,
     codec_headers,
     message_codec,
     publish,
@@ -66,6 +67,7 @@ class Router:
             ),
             await self.nc.subscribe(self.subjects.query, cb=self._on_query),
         ]
+        await check_subscriptions(self.nc, *self._subs)
         self._presence = self._tasks.spawn(self._presence_loop(), name="presence")
         log.info(
             "router %s on %s (policy %s)",

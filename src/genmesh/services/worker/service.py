@@ -26,6 +26,7 @@ from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
     STREAM_TERMINATOR,
+    check_subscriptions,
     codec_headers,
     message_codec,
     on_publish_denied,
@@ -134,6 +135,7 @@ class Worker:
             await self.nc.subscribe(self.subjects.query, cb=self._on_query),
             await self.nc.subscribe(self.subjects.worker_ping(self.worker_id), cb=self._on_ping),
         ]
+        await check_subscriptions(self.nc, *self._subs)
         self._announcer = self._tasks.spawn(self._announce_loop(), name="announce")
         self._tasks.spawn(self._keepalive_loop(), name="keepalive")
         self._tasks.spawn(self._health_loop(), name="engine health")
