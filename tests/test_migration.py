@@ -37,9 +37,11 @@ import nats
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nats.aio.msg import Msg
 
 from genmesh.client import MIG, MeshClient, request
 from genmesh.shared import frames
+from genmesh.shared.subjects import Subjects
 from genmesh.testkit.faulty import control_subject
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, Service, start_mesh, wait_until
@@ -693,6 +695,14 @@ async def test_a_hung_engine_migrates_after_the_idle_timeout(
         )
         victim = successor(control, served)
         await control.inject(victim, {"kind": "hang", "after_tokens": 4})
+        pings: list[Msg] = []
+
+        async def on_ping(msg: Msg) -> None:
+            pings.append(msg)
+
+        observer = await nats.connect(law_mesh.nats_url)
+        await observer.subscribe(Subjects(law_mesh.namespace).worker_ping(victim), cb=on_ping)
+        await observer.flush()
         try:
             started = time.monotonic()
             result = await call(limited_frontend, "sglang", body, stream)
@@ -703,9 +713,13 @@ async def test_a_hung_engine_migrates_after_the_idle_timeout(
                 assert time.monotonic() < deadline, "the hung attempt still runs"
                 await asyncio.sleep(0.02)
         finally:
+            await observer.close()
             await control.clear()
     assert content("sglang", body, result) == content("sglang", body, reference)
     assert 1.0 <= elapsed < 5.0
+    # Pinged once per pause (--ping-after 0.5 s), not in a loop: answered "alive", the
+    # next ping waits for another pause, and the idle timeout comes first.
+    assert 1 <= len(pings) <= 2, len(pings)
     (move,) = attempts_logged(frontend_of(limited_frontend))[-1:]
     assert move[1:] == (2, "no worker sent a frame within 1s", 4)
 

@@ -341,16 +341,20 @@ class MeshClient:
                 )
                 return
             expected_seq = 0
-            silent_since = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            silent_since = reassured_at = loop.time()
             while True:
-                item = await self._next(rid, queue, expected_seq, worker, silent_since, deadline)
-                if item is None:
-                    continue  # the silent worker answered a ping: keep waiting
+                item = await self._next(
+                    rid, queue, expected_seq, worker, silent_since, reassured_at, deadline
+                )
+                if item is None:  # the silent worker answered a ping: keep waiting, and
+                    reassured_at = loop.time()  # ask again only after another pause
+                    continue
                 if isinstance(item, dict):  # made up here: timeout, deadline, worker gone
                     item["id"] = rid
                     yield item
                     return
-                silent_since = asyncio.get_running_loop().time()
+                silent_since = reassured_at = loop.time()
                 frame = self._read(rid, item, target, expected_seq)
                 expected_seq += 1
                 kind = frame["t"]
@@ -387,9 +391,13 @@ class MeshClient:
         expected_seq: int,
         worker: str | None,
         silent_since: float,
+        reassured_at: float,
         deadline: float | None,
     ) -> Msg | frames.Frame | None:
-        """The next reply; a terminal frame made up here; or None after a good ping."""
+        """The next reply; a terminal frame made up here; or None after a good ping.
+
+        `silent_since`: the last frame (the idle timeout counts from it); `reassured_at`:
+        the last frame or good ping (the next ping is due `ping_after_s` after it)."""
         if not queue.empty():
             return queue.get_nowait()
         loop = asyncio.get_running_loop()
@@ -397,7 +405,7 @@ class MeshClient:
         window = self.idle_timeout_s if acked else self.ack_timeout_s
         limit = silent_since + window
         # Acknowledged: wake early to ask a silent worker whether it is still there.
-        wake = min(limit, silent_since + self.ping_after_s) if acked else limit
+        wake = min(limit, reassured_at + self.ping_after_s) if acked else limit
         if deadline is not None:
             wake = min(wake, deadline)
         try:
