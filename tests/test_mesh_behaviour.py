@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -171,6 +172,21 @@ async def test_overloaded_workers_answer_503(own_mesh: Mesh) -> None:
     rejected = next(r for r in replies if r.status == 503)
     assert rejected.headers["Retry-After"] == "1"
     assert "capacity" in rejected.body["message"] or "limit" in rejected.body["message"]
+
+
+async def test_a_refused_request_backs_off_and_gets_the_freed_slot(own_mesh: Mesh) -> None:
+    """Refused as overloaded, a request is sent again after 0.1, 0.2, 0.4 s: the one slot,
+    busy for ~0.15 s, is free by then (sent again at once, all attempts met a full mesh)."""
+    own_mesh.add_router()
+    frontend = own_mesh.add_frontend()
+    own_mesh.add_worker(speedup=0.2, max_concurrency=1)
+    short = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    first = asyncio.create_task(post(own_mesh.http_url + "/generate", short))
+    await asyncio.sleep(0.03)  # admitted: the slot is taken
+    second = await post(own_mesh.http_url + "/generate", short)
+    assert (await first).status == 200
+    assert second.status == 200, second.body
+    assert re.search(r"attempt 2 after: .*at capacity", frontend.log()), frontend.log()
 
 
 async def _wait_cancelled(mesh: Mesh, worker_id: str, before: int) -> dict[str, Any]:

@@ -115,6 +115,10 @@ DEFAULT_PING_AFTER_S = 0.5
 # for this long: it may stay listed until discovery expires it (3 heartbeats).
 DEAD_WORKER_QUARANTINE_S = 10.0
 PING_TIMEOUT_S = 1.0
+# A refusal before admission (overloaded; a draining worker) is retried after a pause that
+# doubles each time (0.1, 0.2, 0.4 s): a full mesh gets a moment to free a slot, instead
+# of meeting every attempt at once.
+REFUSAL_BACKOFF_S = 0.1
 
 
 class MeshClient:
@@ -250,6 +254,7 @@ class MeshClient:
         expert_values = 0  # routed-expert values delivered (rows are re-sent on a retry)
         resent = 0  # of those, how many the current attempt is still to send again
         failed: list[str] = []
+        refusals = 0
         attempt = 1
         env = self._avoiding_dead(envelope, pinned)
         while True:
@@ -304,6 +309,12 @@ class MeshClient:
                 "from_worker": worker,
                 "delivered": len(delivered),
             }
+            if worker is None and "origin" not in failure:  # refused by a router or worker
+                refusals += 1
+                pause = REFUSAL_BACKOFF_S * 2 ** (refusals - 1)
+                if deadline is not None:
+                    pause = min(pause, deadline - asyncio.get_running_loop().time())
+                await asyncio.sleep(max(0.0, pause))
 
     async def _attempt(
         self,
