@@ -580,7 +580,7 @@ class Outage:
             "down_for_s": self.down_for_s,
             "in_flight_at_kill": len(in_flight),
             "in_flight_completed": sum(o.ok for o in in_flight),
-            "in_flight_lost": sum(not o.ok for o in in_flight),
+            "in_flight_failed": sum(not o.ok for o in in_flight),  # each with a clear error
             "in_flight_errors": dict(errors),
             "sent_while_not_ready": dict(Counter(o.status for o in during)),
             "health_503_after_kill_s": round(self.health_503_s, 3),
