@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from genmesh.services.run import FrontendOptions
 from genmesh.shared.ids import new_worker_id
 
 
@@ -280,3 +281,18 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendOptions:
+    """Options for an in-process frontend (`start_frontend`) on a free port."""
+    defaults: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "generate_format": "sglang",
+        "codec": "msgpack",
+        "model": "m",
+        "body_limit_mb": 1,
+        "ack_timeout_s": 2,
+        "idle_timeout_s": 60,
+    }
+    return FrontendOptions(nats_url=nats_url, namespace=namespace, **(defaults | overrides))

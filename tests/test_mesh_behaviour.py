@@ -15,11 +15,11 @@ import pytest
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
-from genmesh.services.run import FrontendOptions, start_frontend
+from genmesh.services.run import start_frontend
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post
-from tests.mesh import Mesh, wait_until
+from tests.mesh import Mesh, frontend_options, wait_until
 
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 
@@ -302,20 +302,7 @@ async def test_a_cancel_that_overtakes_its_request_still_wins(
 
 async def test_frontend_sockets_have_tcp_nodelay(mesh: Mesh, nats_url: str) -> None:
     """A stream must never wait on a delayed ACK: read the option off the server's sockets."""
-    frontend = await start_frontend(
-        FrontendOptions(
-            nats_url=nats_url,
-            namespace=mesh.namespace,
-            host="127.0.0.1",
-            port=0,
-            generate_format="sglang",
-            codec="msgpack",
-            model="m",
-            body_limit_mb=1,
-            ack_timeout_s=2,
-            idle_timeout_s=60,
-        )
-    )
+    frontend = await start_frontend(frontend_options(nats_url, mesh.namespace))
     try:
         await asyncio.to_thread(
             wait_until,

@@ -28,14 +28,14 @@ import pytest
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
-from genmesh.services.run import FrontendOptions, start_frontend
+from genmesh.services.run import start_frontend
 from genmesh.services.worker.engines.mock import MockConfig, MockEngine
 from genmesh.shared.frames import ack as ack_frame
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import parse_sse
-from tests.mesh import Mesh, Service, free_port, start_mesh, wait_until
+from tests.mesh import Mesh, Service, free_port, frontend_options, start_mesh, wait_until
 
 VOCAB, EOS = 1000, 7
 WORKER_OPTS: dict[str, Any] = {"vocab_size": VOCAB, "eos_token_id": EOS}
@@ -990,19 +990,7 @@ async def test_request_timeout_header_is_a_504_that_stops_the_engine(mesh: Mesh)
 async def test_frontend_request_timeout_caps_every_request(mesh: Mesh, nats_url: str) -> None:
     """--request-timeout: every request's limit; a header may shorten it, never lengthen it."""
     frontend = await start_frontend(
-        FrontendOptions(
-            nats_url=nats_url,
-            namespace=mesh.namespace,
-            host="127.0.0.1",
-            port=0,
-            generate_format="sglang",
-            codec="msgpack",
-            model="m",
-            body_limit_mb=1,
-            ack_timeout_s=2,
-            idle_timeout_s=60,
-            request_timeout_s=0.6,
-        )
+        frontend_options(nats_url, mesh.namespace, request_timeout_s=0.6)
     )
     try:
         ready = frontend.state.backend.not_ready_reason

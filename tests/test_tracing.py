@@ -44,7 +44,7 @@ from genmesh.client import MeshClient, request
 from genmesh.services.frontend.observe import RequestInfo
 from genmesh.services.frontend.traces import TraceObserver
 from genmesh.services.router.service import Router
-from genmesh.services.run import FrontendOptions, start_frontend
+from genmesh.services.run import start_frontend
 from genmesh.services.worker.engines.base import EngineOutput
 from genmesh.services.worker.engines.http import HttpEngineConfig
 from genmesh.services.worker.engines.sglang import SglangEngine
@@ -58,7 +58,7 @@ from genmesh.testkit.common import MockServerConfig
 from genmesh.testkit.faulty import control_subject
 from genmesh.testkit.sglang_server import build_app
 from tests.conftest import unique_namespace
-from tests.mesh import Mesh, wait_until
+from tests.mesh import Mesh, frontend_options, wait_until
 
 TRACEPARENT = "00-{}-{}-01"
 
@@ -284,20 +284,7 @@ async def in_process_mesh(
         )
         await worker.start()
         await router.start()
-        frontend = await start_frontend(
-            FrontendOptions(
-                nats_url=nats_url,
-                namespace=namespace,
-                host="127.0.0.1",
-                port=0,
-                generate_format="sglang",
-                codec="msgpack",
-                model="m",
-                body_limit_mb=1,
-                ack_timeout_s=2,
-                idle_timeout_s=60,
-            )
-        )
+        frontend = await start_frontend(frontend_options(nats_url, namespace))
         try:
             await wait_for(
                 lambda: (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import math
 import re
 import struct
 import threading
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from genmesh.codecs import Codec, CodecError, available_codecs, get_codec
 from genmesh.codecs.builtin import MsgpackCodec
 from genmesh_b64zstd import B64ZstdCodec
+from tests.equality import same
 
 BASE64_TEXT = re.compile(rb"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -37,19 +37,6 @@ values = st.recursive(
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(), inner, max_size=6),
     max_leaves=40,
 )
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equality that tells bool from int from float, -0.0 from 0.0, and keeps key order."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float):
-        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    return bool(a == b)
 
 
 def wire(obj: Any, **zstd_options: Any) -> bytes:

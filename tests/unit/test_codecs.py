@@ -24,6 +24,7 @@ from genmesh.codecs import (
     register_codec,
 )
 from genmesh.codecs.builtin import JsonCodec, MsgpackCodec
+from tests.equality import same
 
 # ---------------------------------------------------------------- strategies
 
@@ -39,19 +40,6 @@ json_like = st.recursive(
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(), inner, max_size=6),
     max_leaves=30,
 )
-
-
-def same(a: Any, b: Any) -> bool:
-    """Structural equality that also tells bool from int from float and keeps key order."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float):
-        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    return bool(a == b)
 
 
 def decode_error(codec: Codec, data: bytes) -> str | None:
