@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from bisect import bisect_left
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -35,6 +35,17 @@ METRICS_PATH = "/metrics"
 # started, which `process_start_time_seconds` already does. (A process-wide switch; every
 # registry in a genmesh process is genmesh's own.)
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+def counter_by_code(
+    name: str, documentation: str, known: Sequence[str], counts: Mapping[str, int]
+) -> CounterMetricFamily:
+    """A counter labelled by genmesh error code: every `known` code shows, at 0 if unseen,
+    so a dashboard's series exist before the first error."""
+    family = CounterMetricFamily(name, documentation, labels=["code"])
+    for code in sorted(set(known) | set(counts)):
+        family.add_metric([code], counts.get(code, 0))
+    return family
 
 
 def new_registry() -> CollectorRegistry:

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from genmesh.shared.errors import ErrorCode
-from genmesh.shared.metrics import new_registry
+from genmesh.shared.metrics import counter_by_code, new_registry
 
 if TYPE_CHECKING:
     from genmesh.services.router.service import Router
@@ -60,14 +60,12 @@ class RouterCollector(Collector):
         for worker, count in sorted(router.decisions.items()):
             decisions.add_metric([policy, worker], count)
         yield decisions
-        rejections = CounterMetricFamily(
+        yield counter_by_code(
             "genmesh_router_rejections",
             "Requests the router answered with an error itself, by genmesh error code",
-            labels=["code"],
+            REJECTION_CODES,
+            router.rejections,
         )
-        for code in sorted(set(REJECTION_CODES) | set(router.rejections)):
-            rejections.add_metric([code], router.rejections.get(code, 0))
-        yield rejections
 
 
 def router_registry(router: Router) -> CollectorRegistry:

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from genmesh.shared.errors import ErrorCode
-from genmesh.shared.metrics import new_registry
+from genmesh.shared.metrics import counter_by_code, new_registry
 
 if TYPE_CHECKING:
     from genmesh.services.worker.service import Worker
@@ -82,14 +82,12 @@ class WorkerCollector(Collector):
             "their deadline, or handed back at shutdown",
             value=worker.aborts,
         )
-        errors = CounterMetricFamily(
+        yield counter_by_code(
             "genmesh_worker_engine_errors",
             "Requests the engine ended with an error, by genmesh error code",
-            labels=["code"],
+            ENGINE_ERROR_CODES,
+            worker.engine_errors,
         )
-        for code in sorted(set(ENGINE_ERROR_CODES) | set(worker.engine_errors)):
-            errors.add_metric([code], worker.engine_errors.get(code, 0))
-        yield errors
 
 
 def worker_registry(worker: Worker) -> CollectorRegistry:
