@@ -46,3 +46,17 @@ class TaskOwner:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for `event`; True if it is set.
+
+    Not `asyncio.wait_for(event.wait(), ...)`: on Python 3.11 that swallows a cancellation
+    arriving as the event is set (CPython gh-86296), and a loop whose cancel is swallowed
+    never stops (a worker kept announcing itself through its drain that way)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

@@ -48,6 +48,7 @@ from genmesh.services.worker.engines.mock import (
     advance,
     initial_state,
 )
+from genmesh.shared.tasks import wait_event
 from genmesh.testkit.common import (
     Fault,
     MockServerConfig,
@@ -714,11 +715,7 @@ class _Generation:
         if delay <= 0:
             await asyncio.sleep(0)
             return self.running.aborted.is_set()
-        try:
-            await asyncio.wait_for(self.running.aborted.wait(), delay)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self.running.aborted, delay)
 
     async def _run(self) -> bool:
         """Generate; True when a final output was produced."""

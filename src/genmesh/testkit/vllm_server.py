@@ -71,6 +71,7 @@ from genmesh.services.worker.engines.mock import (
     advance,
     initial_state,
 )
+from genmesh.shared.tasks import wait_event
 from genmesh.testkit.common import STATE as STATE_KEY
 from genmesh.testkit.common import (
     Fault,
@@ -706,9 +707,7 @@ class _Run:
             remaining = started + self.state.token_delay_s - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                await asyncio.wait_for(self.running.aborted.wait(), min(remaining, 0.05))
-            except TimeoutError:
+            if not await wait_event(self.running.aborted, min(remaining, 0.05)):
                 self.check_connection()
         self.check_connection()
 
@@ -903,9 +902,7 @@ class _Run:
             return None
         if fault.kind == "hang":
             while not self.running.aborted.is_set():
-                try:
-                    await asyncio.wait_for(self.running.aborted.wait(), 0.05)
-                except TimeoutError:
+                if not await wait_event(self.running.aborted, 0.05):
                     self.check_connection()
             return None
         if fault.kind == "http_error":

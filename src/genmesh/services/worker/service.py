@@ -37,7 +37,7 @@ from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.subjects import Subjects
-from genmesh.shared.tasks import TaskOwner
+from genmesh.shared.tasks import TaskOwner, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -239,11 +239,8 @@ class Worker:
                 await self._announce()
             except Exception as exc:
                 log.warning("announce failed: %s", exc)
-            try:
-                await asyncio.wait_for(self._load_changed.wait(), self.config.heartbeat_interval_s)
+            if await wait_event(self._load_changed, self.config.heartbeat_interval_s):
                 await asyncio.sleep(LOAD_REPORT_MIN_INTERVAL_S)
-            except TimeoutError:
-                pass
 
     async def _on_ping(self, msg: Msg) -> None:
         """Alive; and, if the ping names a request, whether it runs here: a requester that
