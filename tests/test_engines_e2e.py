@@ -94,9 +94,17 @@ async def test_engine_errors_reach_the_client(engine_mesh: Any) -> None:
     reply = await post(mesh.http_url + path, body, headers=JSON)
     assert reply.status == 400
     assert "no!" in json.dumps(reply.body)
+    # A 5xx is retryable: the request goes again, here to the same worker (the only one).
     await admin(url, "/testkit/faults", {"kind": "http_error", "status": 500})
     reply = await post(mesh.http_url + path, body, headers=JSON)
-    assert reply.status == 503  # an engine failure: retryable, another worker may do
+    assert reply.status == 200
+    assert (await admin(url, "/testkit/state"))["faults_pending"] == []
+    # Once the migration limit (3) is spent, the fourth 5xx in a row reaches the client.
+    for _ in range(4):
+        await admin(url, "/testkit/faults", {"kind": "http_error", "status": 500})
+    reply = await post(mesh.http_url + path, body, headers=JSON)
+    assert reply.status == 503
+    assert (await admin(url, "/testkit/state"))["faults_pending"] == []
     assert (await post(mesh.http_url + path, body, headers=JSON)).status == 200
 
 

@@ -151,18 +151,35 @@ async def test_raw_json_request_like_natscli(mesh: Mesh, nc: Client) -> None:
 
 
 async def test_router_errors_name_the_cause(mesh: Mesh, nats_url: str) -> None:
-    some_worker = mesh.workers[0].name
     async with await MeshClient.connect(nats_url, mesh.namespace) as client:
         unknown_model = request([1], model="no-such-model")
         frames = [f async for f in client.generate(unknown_model)]
         assert frames[-1]["code"] == "not_found"
         assert "no-such-model" in frames[-1]["message"]
 
-        pinned_but_excluded = request([1], worker=some_worker)
-        pinned_but_excluded.routing.exclude = [some_worker]
-        frames = [f async for f in client.generate(pinned_but_excluded)]
+        unknown_worker = request([1], worker="w-none")
+        frames = [f async for f in client.generate(unknown_worker)]
         assert frames[-1]["code"] == "no_worker"
-        assert some_worker in frames[-1]["message"]
+        assert frames[-1]["message"] == "worker 'w-none' is not known"
+
+
+async def test_exclude_steers_but_never_refuses(mesh: Mesh, nats_url: str) -> None:
+    """`routing.exclude` keeps a request off the listed workers while another is free, and
+    falls back to them when every free worker is listed (protocol.md §10)."""
+    first, second = (w.name for w in mesh.workers[:2])
+
+    async def served_by(exclude: list[str], worker: str | None = None) -> str:
+        env = request([1, 2], max_tokens=2, worker=worker)
+        env.routing.exclude = exclude
+        frames = [f async for f in client.generate(env)]
+        assert frames[-1]["t"] == "end", frames[-1]
+        return frames[0]["worker"]
+
+    async with await MeshClient.connect(nats_url, mesh.namespace) as client:
+        assert {await served_by([first]) for _ in range(6)} == {second}
+        assert {await served_by([second]) for _ in range(6)} == {first}
+        assert {await served_by([first, second]) for _ in range(6)} == {first, second}
+        assert await served_by([first], worker=first) == first
 
 
 class FakeWorker:

@@ -130,28 +130,29 @@ class Router:
             if pinned is None:
                 raise MeshError(ErrorCode.NO_WORKER, f"worker {routing.worker!r} is not known")
             workers = [pinned]
-        excluded = set(routing.exclude)
-        candidates = [
+        eligible = [
             w
             for w in workers
-            if w.id not in excluded
-            and w.serves(envelope.format)
-            and (envelope.model is None or w.model == envelope.model)
+            if w.serves(envelope.format) and (envelope.model is None or w.model == envelope.model)
         ]
-        if not candidates:
+        if not eligible:
             wanted = [f"format {envelope.format!r}"]
             if envelope.model is not None:
                 wanted.append(f"model {envelope.model!r}")
-            wanted.append(f"excluded: {', '.join(sorted(excluded)) or 'none'}")
             raise MeshError(
                 ErrorCode.NO_WORKER,
                 f"none of the {len(workers)} known workers is eligible ({', '.join(wanted)})",
             )
-        free = [w for w in candidates if not w.full]
+        free = [w for w in eligible if not w.full]
         if not free:
             raise MeshError(
-                ErrorCode.OVERLOADED, f"all {len(candidates)} eligible workers are at capacity"
+                ErrorCode.OVERLOADED, f"all {len(eligible)} eligible workers are at capacity"
             )
+        # Excluded workers are a last resort, not banned: a worker that failed a request may
+        # have failed for a passing reason (a NATS reconnect, an engine restart), discovery
+        # drops the dead ones, and the migration limit bounds the retries.
+        excluded = set(routing.exclude)
+        free = [w for w in free if w.id not in excluded] or free
         self.last_candidates = free
         return self.policy.choose(free)
 
