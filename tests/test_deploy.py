@@ -32,7 +32,13 @@ from nats.aio.msg import Msg
 from genmesh.cli import build_parser
 from genmesh.client import MeshClient, request
 from genmesh.deploy import USERS, make_env, new_password, write_nkeys
-from genmesh.shared.bus import NatsAuth, NatsPermissionDenied, NatsUnreachable, connect
+from genmesh.shared.bus import (
+    NatsAuth,
+    NatsPermissionDenied,
+    NatsUnreachable,
+    connect,
+    flush_in_order,
+)
 from genmesh.shared.natsserver import NatsServer, find_nats_server
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, free_port, start_mesh, wait_until
@@ -482,15 +488,15 @@ async def _probe(url: str, rule: Rule, ns: str, index: int) -> Outcome:
     try:
         if rule.op == "sub":
             await nc.subscribe(subject, queue=rule.queue, cb=on_msg)
-            await nc.flush()
+            await flush_in_order(nc)
             await asyncio.sleep(0.05)  # a refusal arrives asynchronously
             await admin.publish(target, marker)
-            await admin.flush()
+            await flush_in_order(admin)
         else:
             await admin.subscribe(target, cb=on_msg)
-            await admin.flush()
+            await flush_in_order(admin)
             await nc.publish(subject, marker)
-            await nc.flush()
+            await flush_in_order(nc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(got.wait(), 2.0 if rule.allowed else 0.3)
         violations = [str(e) for e in errors if "permissions violation" in str(e).lower()]
@@ -615,7 +621,7 @@ async def test_a_client_reads_only_its_own_inbox(
                           options={"error_cb": on_error})  # fmt: skip
     try:
         await snoop.subscribe("_INBOX_client.>", cb=on_snooped)
-        await snoop.flush()
+        await flush_in_order(snoop)
         async with (
             await MeshClient.connect(secured_server.url, mesh.namespace,
                                      auth=role_auth("client")) as client,
@@ -725,12 +731,12 @@ async def test_allow_responses_lets_a_whole_stream_through_and_nothing_else(
 
         await client.subscribe(f"{inbox}.*", cb=on_reply)
         await client.subscribe("_INBOX_client.someone-else.*", cb=on_reply)
-        await worker.flush()
-        await client.flush()
+        await flush_in_order(worker)
+        await flush_in_order(client)
         await router.publish(subject, b"request", reply=f"{inbox}.0")  # as a router forwards
-        await router.flush()
+        await flush_in_order(router)
         await asyncio.to_thread(wait_until, lambda: len(received) >= 500, 10)
-        await worker.flush()
+        await flush_in_order(worker)
         await asyncio.to_thread(wait_until, lambda: bool(errors), 5)
         await asyncio.sleep(0.1)
     finally:

@@ -16,6 +16,7 @@ import pytest
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.run import start_frontend
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post
@@ -258,7 +259,7 @@ async def _raw_exchange(
         cancel = codec.encode({"id": envelope["id"], "reason": "test"})
         if cancel_first:
             await nc.publish(subjects.cancel, cancel)
-            await nc.flush()
+            await flush_in_order(nc)
         await nc.publish(subjects.router_generate, codec.encode(envelope), reply=inbox)
         frames: list[dict[str, Any]] = []
         while True:

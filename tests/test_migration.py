@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 
 from genmesh.client import MIG, MeshClient, request
 from genmesh.shared import frames
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from genmesh.testkit.faulty import control_subject
 from tests.conftest import unique_namespace
@@ -702,7 +703,7 @@ async def test_a_hung_engine_migrates_after_the_idle_timeout(
 
         observer = await nats.connect(law_mesh.nats_url)
         await observer.subscribe(Subjects(law_mesh.namespace).worker_ping(victim), cb=on_ping)
-        await observer.flush()
+        await flush_in_order(observer)
         try:
             started = time.monotonic()
             result = await call(limited_frontend, "sglang", body, stream)

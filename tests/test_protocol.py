@@ -13,6 +13,7 @@ from nats.aio.client import Client
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from tests.http_util import post
 from tests.mesh import Mesh
@@ -93,7 +94,7 @@ async def test_a_request_without_reply_subject_is_dropped_harmlessly(
     envelope = get_codec(None).encode(request([1, 2]).to_wire())
     for subject in targets(mesh):
         await nc.publish(subject, envelope)
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(0.1)
     assert all(s.alive for s in mesh.services)
 
@@ -105,7 +106,7 @@ async def test_services_still_serve_after_abuse(mesh: Mesh, nc: Client) -> None:
     await nc.publish(Subjects(mesh.namespace).cancel, b"\x00garbage")
     await nc.publish(Subjects(mesh.namespace).announce, b"\x00garbage")
     await nc.publish(Subjects(mesh.namespace).announce, get_codec(None).encode({"id": "bad id!"}))
-    await nc.flush()
+    await flush_in_order(nc)
     reply = await post(
         mesh.http_url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
     )
@@ -204,7 +205,7 @@ class FakeWorker:
 
         await self.nc.subscribe(self.subject, cb=on_request)
         await self.nc.subscribe(cancel_subject, cb=on_cancel)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
 
 
 async def run_fake(

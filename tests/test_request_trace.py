@@ -29,6 +29,7 @@ from genmesh.records.replay import outputs, replay
 from genmesh.records.sinks import FileSink, NatsSink, Record, Sink, dump, segment_paths
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.state import FrontendState
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Frame
 from genmesh.testkit.faulty import control_subject
@@ -472,7 +473,7 @@ async def test_nats_sink_publishes_every_record(nats_url: str) -> None:
     for n in range(5):
         sink.emit(record_n(n))
     await sink.close()
-    await nc.flush()
+    await flush_in_order(nc)
     for _ in range(100):
         if len(got) == 5:
             break
@@ -727,7 +728,7 @@ async def test_a_real_mesh_records_every_request_exactly_once(
     assert consumed > 0
 
     assert frontend.terminate() == 0  # SIGTERM: the sinks flush and close
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(0.2)
     result = await genmesh_cli(
         [

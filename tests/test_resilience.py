@@ -30,6 +30,7 @@ from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.run import start_frontend
 from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.frames import ack as ack_frame
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
@@ -808,7 +809,7 @@ async def test_a_thousand_nats_streams_cancelled_at_once(mesh: Mesh, nats_url: s
         assert all(isinstance(r, asyncio.CancelledError) for r in results)
         await _all_cancelled(mesh, before["cancelled"], n)
         engines_s = time.monotonic() - cancelled
-        await client.nc.flush()
+        await flush_in_order(client.nc)
         # Nothing is left behind in this process.
         assert client.active_streams == 0
         assert client._by_worker == {}

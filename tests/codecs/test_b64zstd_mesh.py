@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from genmesh_b64zstd import decode_int32, encode_int32
 from tests.conftest import unique_namespace
@@ -304,7 +305,7 @@ async def test_the_packed_frontend_publishes_b64zstd_and_the_plain_one_msgpack(
     # Plain subscriptions see a copy of everything (the routers' queue group is separate).
     await nc.subscribe(subjects.router_generate, cb=on_request)
     await nc.subscribe("_INBOX_frontend.>", cb=on_frame)
-    await nc.flush()
+    await flush_in_order(nc)
     a = await post(fronts.plain, {**BASE, "input_ids": [4, 4, 4]})
     b = await post(fronts.packed, {**BASE, "input_ids": encode_int32([4, 4, 4])})
     assert a.status == b.status == 200

@@ -25,6 +25,8 @@ from typing import Any
 import orjson
 from nats.aio.client import Client
 
+from genmesh.shared.bus import flush_in_order
+
 log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
@@ -281,6 +283,6 @@ class NatsSink(Sink):
     async def _close_output(self) -> None:
         if self.nc.is_connected:
             try:
-                await self.nc.flush(timeout=5)
+                await flush_in_order(self.nc, timeout=5)
             except Exception as exc:
                 log.warning("request records: NATS flush failed: %r", exc)

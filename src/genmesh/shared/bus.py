@@ -67,19 +67,27 @@ def on_publish_denied(nc: Client, hook: Callable[[str], None]) -> None:
     _denied_hooks.setdefault(nc, []).append(hook)
 
 
+async def flush_in_order(nc: Client, timeout: int = 10) -> None:
+    """Return once the server has processed everything `nc` sent before the call.
+
+    `nc.flush()` alone does not promise that: nats-py writes the flush's PING straight to
+    the socket, ahead of commands its flusher task has not written yet (a SUB or PUB just
+    made), so the PONG can come back before the server has seen them, and a message
+    another connection publishes next can miss a subscription made "before" it. The first
+    round trip lets the flusher run; the second is ordered after what it wrote."""
+    await nc.flush(timeout=timeout)
+    await nc.flush(timeout=timeout)
+
+
 async def check_subscriptions(nc: Client, *subs: Subscription) -> None:
     """Raise NatsPermissionDenied if the server refused any of `subs` (only for connections
     made by `connect`).
 
     The server refuses a subscription with an asynchronous error, after which the
     subscription just stays silent: a requester whose inbox is refused would wait for
-    answers that never come. The server answers in order, so once a PING sent after the
-    SUBs has its PONG, every refusal has arrived. But nats-py writes a flush's PING
-    straight to the socket, ahead of commands its flusher task has not written yet (a
-    SUB just made: about one time in five, measured): the first round trip lets the
-    flusher run, the second is ordered after the SUBs."""
-    await nc.flush(timeout=10)
-    await nc.flush(timeout=10)
+    answers that never come. The server answers in order, so once it has processed the
+    SUBs and a PING after them, every refusal has arrived."""
+    await flush_in_order(nc)
     denied = _denied_subscriptions.get(nc, set())
     for sub in subs:
         if sub.subject.lower() in denied:
