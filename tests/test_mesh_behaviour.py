@@ -63,13 +63,6 @@ async def test_no_worker_is_503_at_once(own_mesh: Mesh, nats_url: str) -> None:
     assert elapsed < client.ack_timeout_s / 2
 
 
-async def test_no_router_is_no_responders(own_mesh: Mesh, nats_url: str) -> None:
-    async with await MeshClient.connect(nats_url, own_mesh.namespace) as client:
-        frames = [f async for f in client.generate(request([1, 2]))]
-    assert frames[-1]["code"] == "no_worker"
-    assert "nothing is subscribed" in frames[-1]["message"]
-
-
 async def test_health_needs_a_router_too(own_mesh: Mesh) -> None:
     own_mesh.add_frontend()
     own_mesh.add_worker()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,7 +12,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from genmesh.client import MeshClient, request
+from genmesh.client import MIG, MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
@@ -221,6 +222,13 @@ async def run_fake(
     return frames, fake
 
 
+SHORT_ANSWER = [
+    {"t": "ack", "seq": 0, "worker": "fake", "dispatch": "d"},
+    {"t": "out", "seq": 1, "tokens": [5]},
+    {"t": "end", "seq": 2, "tokens": [6], "finish": {"reason": "length"}, "usage": {}},
+]
+
+
 async def test_client_skips_frame_types_it_does_not_know(
     nc: Client, nats_url: str, namespace: str
 ) -> None:
@@ -264,6 +272,43 @@ async def test_client_gives_up_on_a_silent_worker(
     frames, _ = await run_fake(nc, nats_url, namespace, script, idle_timeout_s=0.3)
     assert [f["t"] for f in frames] == ["ack", "err"]
     assert "no worker sent a frame within 0.3s" in frames[1]["message"]
+
+
+async def test_a_request_waits_briefly_for_a_router_that_is_reconnecting(
+    nc: Client, nats_url: str, namespace: str
+) -> None:
+    """A router is off its subject for a moment while it reconnects to NATS. No responders
+    there is a refusal, retried after the refusal back-off (0.1, 0.2, 0.4 s): a router
+    that subscribes 0.2 s after the request was sent still gets it."""
+    subjects = Subjects(namespace)
+    # The fake router answers as the worker it would forward to.
+    late = FakeWorker(nc, subjects.router_generate, SHORT_ANSWER)
+
+    async def subscribe_late() -> None:
+        await asyncio.sleep(0.2)
+        await late.start(subjects.cancel)
+
+    async with await MeshClient.connect(nats_url, namespace) as client:
+        router_back = asyncio.create_task(subscribe_late())
+        frames = [f async for f in client.generate(request([1, 2]))]
+        await router_back
+    kinds = [f["t"] for f in frames]
+    assert kinds[-3:] == ["ack", "out", "end"], frames
+    migs = [f for f in frames if f["t"] == MIG]
+    assert 1 <= len(migs) <= 2  # 0.1 s, then 0.3 s after the first refusal
+    assert all(f"nothing is subscribed to {subjects.router_generate}" == m["reason"] for m in migs)
+
+
+async def test_no_router_at_all_ends_with_no_worker(nats_url: str, namespace: str) -> None:
+    subject = Subjects(namespace).router_generate
+    async with await MeshClient.connect(nats_url, namespace) as client:
+        started = time.monotonic()
+        frames = [f async for f in client.generate(request([1, 2]))]
+        elapsed = time.monotonic() - started
+    assert [f["t"] for f in frames] == [MIG, MIG, MIG, "err"]
+    assert frames[-1]["code"] == "no_worker"
+    assert frames[-1]["message"] == f"nothing is subscribed to {subject}"
+    assert elapsed >= 0.1 + 0.2 + 0.4  # the back-off, spent in full
 
 
 async def test_client_reports_no_responders(nc: Client, nats_url: str, namespace: str) -> None:

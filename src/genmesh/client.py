@@ -115,8 +115,9 @@ DEFAULT_PING_AFTER_S = 0.5
 # for this long: it may stay listed until discovery expires it (3 heartbeats).
 DEAD_WORKER_QUARANTINE_S = 10.0
 PING_TIMEOUT_S = 1.0
-# A refusal before admission (overloaded; a draining worker) is retried after a pause that
-# doubles each time (0.1, 0.2, 0.4 s): a full mesh gets a moment to free a slot, instead
+# A refusal before admission (overloaded; a draining worker; no router subscribed) is
+# retried after a pause that doubles each time (0.1, 0.2, 0.4 s): a full mesh gets a
+# moment to free a slot, and a reconnecting router a moment to subscribe again, instead
 # of meeting every attempt at once.
 REFUSAL_BACKOFF_S = 0.1
 
@@ -309,7 +310,10 @@ class MeshClient:
                 "from_worker": worker,
                 "delivered": len(delivered),
             }
-            if worker is None and "origin" not in failure:  # refused by a router or worker
+            # Refused by a router or worker, or no router there; not a timeout (which has
+            # waited already).
+            refused = "origin" not in failure or failure["code"] == ErrorCode.NO_WORKER
+            if worker is None and refused:
                 refusals += 1
                 pause = REFUSAL_BACKOFF_S * 2 ** (refusals - 1)
                 if deadline is not None:
@@ -477,9 +481,13 @@ class MeshClient:
     def _read(self, rid: str, msg: Msg, target: str, expected_seq: int) -> frames.Frame:
         """Decode and check one reply; problems become a terminal `err` frame."""
         if is_no_responders(msg):
-            return frames.synthetic_err(
+            frame = frames.synthetic_err(
                 rid, ErrorCode.NO_WORKER, f"nothing is subscribed to {target}"
             )
+            # Routers go missing for a moment when they reconnect to NATS; a worker subject
+            # is a pinned request's, which never moves.
+            frame["retryable"] = target == self.subjects.router_generate
+            return frame
         try:
             frame = frames.check(message_codec(msg).decode(msg.data))
         except (UnknownCodecError, CodecError, frames.FrameError) as exc:
