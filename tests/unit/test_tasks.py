@@ -69,3 +69,26 @@ async def test_the_race_is_real_on_this_python() -> None:
 
     task = await _waiter_cancelled_as_event_is_set(with_wait_for)
     assert not task.cancelled()
+
+
+async def test_close_does_not_wait_forever_on_a_task_that_ignores_its_cancel(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    owner = TaskOwner("test")
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass  # the defect being guarded against
+
+    task = owner.spawn(stubborn(), name="stubborn")
+    await asyncio.sleep(0)
+    await asyncio.wait_for(owner.close(timeout=0.1), 2)
+    assert not task.done()
+    assert "task test: stubborn ignored its cancellation for 0.1s" in caplog.text
+    release.set()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

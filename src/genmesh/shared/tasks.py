@@ -39,13 +39,18 @@ class TaskOwner:
     def closed(self) -> bool:
         return self._closed
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 5.0) -> None:
+        """Cancel every task and wait for them, at most `timeout` seconds: a task that
+        ignores its cancellation is reported and left behind, never waited on forever."""
         self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        _, stuck = await asyncio.wait(tasks, timeout=timeout)
+        for task in stuck:
+            log.error("task %s ignored its cancellation for %gs", task.get_name(), timeout)
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
