@@ -60,6 +60,7 @@ from genmesh.shared.errors import ErrorCode
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.migration import continuation
 from genmesh.shared.subjects import Subjects
+from genmesh.shared.tasks import keep_cancel
 
 log = logging.getLogger(__name__)
 
@@ -453,7 +454,8 @@ class MeshClient:
         slow answer is a busy worker, and that is what the idle timeout is for."""
         subject = self.subjects.worker_ping(worker)
         try:
-            reply = await self.nc.request(subject, rid.encode(), timeout=timeout)
+            # Pings are where a frontend handler usually is when its client disconnects.
+            reply = await keep_cancel(self.nc.request(subject, rid.encode(), timeout=timeout))
         except NoRespondersError:
             loop = asyncio.get_running_loop()
             self._dead[worker] = loop.time() + DEAD_WORKER_QUARANTINE_S

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from genmesh.shared.tasks import TaskOwner, wait_event
+from genmesh.shared.tasks import TaskOwner, keep_cancel, wait_event
 
 
 async def test_wait_event_reports_set_and_timeout() -> None:
@@ -92,3 +92,44 @@ async def test_close_does_not_wait_forever_on_a_task_that_ignores_its_cancel(
     release.set()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def _like_nats_request(reply: asyncio.Future[str]) -> str:
+    """nats-py's request in small: a reply future awaited under wait_for."""
+    return await asyncio.wait_for(reply, 10)
+
+
+async def _cancelled_as_the_reply_arrives(
+    wrap: Callable[[Awaitable[str]], Awaitable[str]],
+) -> asyncio.Future[object]:
+    reply: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(wrap(_like_nats_request(reply)))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    reply.set_result("pong")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return task
+
+
+async def test_keep_cancel_raises_a_cancel_the_library_swallowed() -> None:
+    task = await _cancelled_as_the_reply_arrives(keep_cancel)
+    assert task.cancelled()
+
+
+async def test_keep_cancel_passes_results_and_errors_through() -> None:
+    done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    done.set_result("pong")
+    assert await keep_cancel(done) == "pong"
+    with pytest.raises(TimeoutError):
+        await keep_cancel(asyncio.wait_for(asyncio.Event().wait(), 0.01))
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the wait_for race is in Python 3.11")
+async def test_without_keep_cancel_the_caller_carries_on() -> None:
+    async def bare(aw: Awaitable[str]) -> str:
+        return await aw
+
+    task = await _cancelled_as_the_reply_arrives(bare)
+    assert not task.cancelled()
+    assert task.result() == "pong"

@@ -19,6 +19,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
 from genmesh.codecs import Codec, get_codec
+from genmesh.shared.tasks import keep_cancel
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,8 @@ async def flush_in_order(nc: Client, timeout: int = 10) -> None:
     made), so the PONG can come back before the server has seen them, and a message
     another connection publishes next can miss a subscription made "before" it. The first
     round trip lets the flusher run; the second is ordered after what it wrote."""
-    await nc.flush(timeout=timeout)
-    await nc.flush(timeout=timeout)
+    await keep_cancel(nc.flush(timeout=timeout))
+    await keep_cancel(nc.flush(timeout=timeout))
 
 
 async def check_subscriptions(nc: Client, *subs: Subscription) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -65,3 +65,19 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def keep_cancel(awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, and raise a cancellation it swallowed.
+
+    Libraries built on `asyncio.wait_for` (nats-py's `request` and `flush`) lose, on
+    Python 3.11, a cancel that arrives as their result does (CPython gh-86296): they
+    return normally, and the cancelled caller carries on as if nothing happened. The
+    task's count of cancel requests still shows it."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    try:
+        return await awaitable
+    finally:
+        if task is not None and task.cancelling() > before:
+            raise asyncio.CancelledError
