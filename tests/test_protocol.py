@@ -11,6 +11,7 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from genmesh.client import MIG, MeshClient, request
 from genmesh.codecs import get_codec
@@ -272,6 +273,50 @@ async def test_client_gives_up_on_a_silent_worker(
     frames, _ = await run_fake(nc, nats_url, namespace, script, idle_timeout_s=0.3)
     assert [f["t"] for f in frames] == ["ack", "err"]
     assert "no worker sent a frame within 0.3s" in frames[1]["message"]
+
+
+async def test_a_cancel_that_arrives_with_a_ping_reply_is_not_lost(
+    nc: Client, nats_url: str, namespace: str
+) -> None:
+    """The caller (a frontend handler whose client left) is cancelled just as the answer to
+    a liveness ping comes back: the moment nats-py's `request` (asyncio.wait_for inside)
+    loses a cancel on Python 3.11. The stream must still end, and its cancel go out."""
+    script = [
+        {"t": "ack", "seq": 0, "worker": "fake", "dispatch": "d"},
+        {"t": "out", "seq": 1, "tokens": [5]},  # then silence: the client pings
+    ]
+    subjects = Subjects(namespace)
+    fake = FakeWorker(nc, subjects.worker_generate("fake"), script)
+    await fake.start(subjects.cancel)
+    async with await MeshClient.connect(nats_url, namespace, ping_after_s=0.05) as client:
+        pinged = asyncio.Event()
+
+        async def ping_answered_while_cancelled(*args: Any, **kwargs: Any) -> Any:
+            loop = asyncio.get_running_loop()
+            answer: asyncio.Future[Any] = loop.create_future()
+            consumer = asyncio.current_task()
+            assert consumer is not None
+            alive = Msg(client.nc, subject="", reply="", data=b"")
+            loop.call_soon(answer.set_result, alive)  # the reply arrives...
+            loop.call_soon(consumer.cancel)  # ...and so does the cancel, in the same step
+            pinged.set()
+            return await asyncio.wait_for(answer, 10)  # as nats-py's request does
+
+        client.nc.request = ping_answered_while_cancelled  # type: ignore[method-assign]
+        seen: list[str] = []
+
+        async def consume() -> None:
+            async for frame in client.generate(request([1, 2]), subject=fake.subject):
+                seen.append(frame["t"])
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.wait_for(pinged.wait(), 5)
+        await asyncio.wait([consumer], timeout=2)
+        assert consumer.done(), "the cancelled caller carried on after the ping"
+        assert consumer.cancelled()
+    await asyncio.sleep(0.2)  # let the cancel arrive
+    assert seen == ["ack", "out"]
+    assert [c["reason"] for c in fake.cancels] == ["client"]
 
 
 async def test_a_request_waits_briefly_for_a_router_that_is_reconnecting(
