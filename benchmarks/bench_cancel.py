@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,80 +31,10 @@ from typing import Any
 
 import aiohttp
 
-from genmesh.shared.natsserver import NatsServer
+from bench_generate import Processes, free_port, wait_http_ok
 
-NAMESPACE = "bench-cancel"
-READY_TIMEOUT_S = 30.0
 TRIAL_TIMEOUT_S = 5.0
 POLL_S = 0.05
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it if the benchmark dies without cleaning up."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-
-
-class Processes:
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self.nats: NatsServer | None = None
-
-    def start_nats(self) -> str:
-        self.nats = NatsServer()
-        return self.nats.start()
-
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
-        with (self.workdir / f"{name}.log").open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "genmesh", *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        self.procs.append((name, process))
-        return process
-
-    def check_alive(self) -> None:
-        for name, process in self.procs:
-            if process.poll() is not None:
-                log = (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{log}")
-
-    def stop_all(self) -> None:
-        for _, process in reversed(self.procs):  # frontend first, the engine last
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        if self.nats is not None:
-            self.nats.stop()
-
-
-async def wait_ok(session: aiohttp.ClientSession, url: str, procs: Processes) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer 200 within {READY_TIMEOUT_S:g}s")
 
 
 async def engine_state(session: aiohttp.ClientSession, engine_url: str) -> dict[str, Any]:
@@ -173,16 +98,18 @@ async def run(args: argparse.Namespace, procs: Processes) -> dict[str, Any]:
     frontend_url = f"http://127.0.0.1:{http_port}"
     procs.spawn(
         "sglang",
-        "testkit", "sglang", "--port", str(engine_port),
-        "--token-delay-ms", str(args.token_delay_ms),
+        [
+            "-m", "genmesh", "testkit", "sglang", "--port", str(engine_port),
+            "--token-delay-ms", str(args.token_delay_ms),
+        ],
     )  # fmt: skip
-    common = ["--nats-url", nats_url, "--namespace", NAMESPACE, "--log-level", "warning"]
     async with aiohttp.ClientSession() as session:
-        await wait_ok(session, engine_url + "/health", procs)
-        procs.spawn("worker", "worker", *common, "--engine", "sglang", "--engine-url", engine_url)
-        procs.spawn("router", "router", *common)
-        procs.spawn("frontend", "frontend", *common, "--port", str(http_port))
-        await wait_ok(session, frontend_url + "/health", procs)
+        await wait_http_ok(session, engine_url + "/health", procs, "the SGLang mock")
+        engine = ("--engine", "sglang", "--engine-url", engine_url)
+        procs.spawn_service("worker", "worker", nats_url, *engine)
+        procs.spawn_service("router", "router", nats_url)
+        procs.spawn_service("frontend", "frontend", nats_url, "--port", str(http_port))
+        await wait_http_ok(session, frontend_url + "/health", procs, "the frontend")
 
         latencies: list[float] = []
         firsts: list[float] = []

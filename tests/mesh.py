@@ -130,6 +130,11 @@ class Mesh:
             self.wait_for_router(service)
         return service
 
+    def wait_for_routers(self) -> None:
+        for service in self.services:
+            if service.role == "router":
+                self.wait_for_router(service)
+
     @staticmethod
     def wait_for_router(service: Service) -> None:
         """A router is subscribed once it logs its subject."""
@@ -273,9 +278,7 @@ def start_mesh(
         ids = [mesh.add_worker(wait=False, **(worker_opts or {})).name for _ in range(workers)]
         mesh.add_frontend(*frontend_args)
         mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
-        for service in mesh.services:
-            if service.role == "router":
-                mesh.wait_for_router(service)
+        mesh.wait_for_routers()
     except BaseException:
         print(mesh.logs())
         mesh.stop()

@@ -910,9 +910,7 @@ def adapter_mesh(
             servers[worker.name] = url
         mesh.add_frontend()
         mesh.wait_for_workers(lambda ids: set(servers) <= ids, what="the adapter workers")
-        for service in mesh.services:
-            if service.role == "router":
-                mesh.wait_for_router(service)
+        mesh.wait_for_routers()
     except BaseException:
         print(mesh.logs())
         mesh.stop()

@@ -1201,21 +1201,27 @@ async def test_a_stream_client_disconnect_aborts_and_is_recorded() -> None:
     assert state["completed"] == 0
 
 
+async def disconnect_and_see_it_recorded(url: str, body: dict[str, Any]) -> None:
+    """Leave a unary /generate mid-generation; the server records the disconnect."""
+    rid = body["rid"]
+    call_task = asyncio.create_task(generate(url, body))
+    await running(url, rid)
+    call_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call_task
+
+    async def recorded() -> bool:
+        state = await server_state(url)
+        return state["disconnected"] == [rid] and state["running"] == []
+
+    await eventually(recorded)
+
+
 async def test_a_unary_client_disconnect_aborts_and_is_recorded() -> None:
     config = dataclasses.replace(CONFIG, token_delay_ms=20)
     body = {"input_ids": [1], "rid": "gone1", "sampling_params": {"max_new_tokens": 1000}}
     async with sglang(config) as url:
-        call_task = asyncio.create_task(generate(url, body))
-        await running(url, "gone1")
-        call_task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call_task
-
-        async def recorded() -> bool:
-            state = await server_state(url)
-            return state["disconnected"] == ["gone1"] and state["running"] == []
-
-        await eventually(recorded)
+        await disconnect_and_see_it_recorded(url, body)
 
 
 async def test_a_disconnect_is_noticed_without_aiohttp_handler_cancellation() -> None:
@@ -1227,17 +1233,7 @@ async def test_a_disconnect_is_noticed_without_aiohttp_handler_cancellation() ->
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         body = {"input_ids": [1], "rid": "poll", "sampling_params": {"max_new_tokens": 1000}}
-        call_task = asyncio.create_task(generate(url, body))
-        await running(url, "poll")
-        call_task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call_task
-
-        async def recorded() -> bool:
-            state = await server_state(url)
-            return state["disconnected"] == ["poll"] and state["running"] == []
-
-        await eventually(recorded)
+        await disconnect_and_see_it_recorded(url, body)
     finally:
         await runner.cleanup()
 

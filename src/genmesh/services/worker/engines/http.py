@@ -81,24 +81,20 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
         if line.startswith(b"data:"):
             data.append(line[5:].lstrip(b" "))
         elif not line and data:
-            payload = b"\n".join(data)
+            yield _sse_payload(data)
             data = []
-            if payload == b"[DONE]":
-                yield "[DONE]"
-                continue
-            try:
-                yield orjson.loads(payload)
-            except orjson.JSONDecodeError as exc:
-                raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
     if data:  # a last event without its blank line
-        payload = b"\n".join(data)
-        if payload == b"[DONE]":
-            yield "[DONE]"
-            return
-        try:
-            yield orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
+        yield _sse_payload(data)
+
+
+def _sse_payload(data: list[bytes]) -> Any:
+    payload = b"\n".join(data)
+    if payload == b"[DONE]":
+        return "[DONE]"
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
 
 
 def error_message(body: bytes) -> tuple[str, str | None]:
