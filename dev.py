@@ -67,10 +67,12 @@ def main(argv: list[str]) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     ensure_venv()
-    if command == "up":
-        return run(str(BIN / "genmesh"), "up", *rest)
-    if command == "genmesh":
-        return run(str(BIN / "genmesh"), *rest)
+    if command in ("up", "genmesh"):
+        # Become genmesh rather than wait on it: a terminal's Ctrl-C then reaches genmesh
+        # alone, which stops its services in order (a waiting parent would kill it).
+        args = ["up", *rest] if command == "up" else rest
+        os.chdir(ROOT)
+        os.execv(BIN / "genmesh", [str(BIN / "genmesh"), *args])
     if command == "test":
         return run(str(PY), "-m", "pytest", *rest)
     if command == "lint":

@@ -46,7 +46,11 @@ def test_every_command_has_help(command: list[str]) -> None:
         assert "[env GENMESH_" in out.stdout  # every option names its variable
 
 
-def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("terminal", [False, True], ids=["up-only", "whole-group"])
+def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path, terminal: bool) -> None:
+    """SIGINT to `genmesh up` alone, and as a terminal's Ctrl-C sends it: to the whole
+    foreground process group. Either way the services stop in order, NATS last, with no
+    traceback and nothing killed for being slow."""
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
     proc = subprocess.Popen(
@@ -55,6 +59,7 @@ def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None
         stderr=log,
         text=True,
         env=clean_env(GENMESH_MOCK_SPEEDUP="0"),
+        start_new_session=terminal,  # its own group, as a shell gives a foreground job
     )
     try:
         assert proc.stdout is not None
@@ -82,9 +87,16 @@ def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert len(json.load(resp)["output_ids"]) == 3
 
-        proc.send_signal(signal.SIGINT)
+        if terminal:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10, what="children to exit")
+        stderr = Path(log.name).read_text()
+        assert "Traceback" not in stderr, stderr
+        assert "did not stop" not in stderr, stderr
+        assert stderr.rstrip().endswith("genmesh up: stopped"), stderr[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1088,3 +1088,26 @@ async def test_deadlines_at_nats_level(mesh: Mesh, nats_url: str) -> None:
     assert frames[-1]["code"] == "deadline_exceeded"
     assert elapsed < 0.4 + 0.3
     await _engine_work_ended(mesh, before, 2)
+
+
+def test_services_stop_cleanly_while_nats_is_down(tmp_path: Path) -> None:
+    """Asked to stop in an outage (or after a Ctrl-C took NATS down first), a service has
+    no server to drain to: it closes, exits 0 at once and logs no traceback."""
+    server = NatsServer()
+    mesh = Mesh(server.start(), tmp_path, unique_namespace("stopdown"))
+    try:
+        mesh.add_router()
+        mesh.add_worker()
+        mesh.add_frontend()
+        server.kill()
+        for service in list(mesh.services):
+            wait_until(
+                lambda s=service: "disconnected from" in s.log(), what=f"{service.name} to notice"
+            )
+            code = service.terminate(timeout=5.0)  # killed (-9) if it does not stop by then
+            log = service.log()
+            assert code == 0, log[-3000:]
+            assert "Traceback" not in log, log[-3000:]
+    finally:
+        mesh.stop()
+        server.stop()

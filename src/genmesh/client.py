@@ -49,6 +49,7 @@ from genmesh.shared.bus import (
     check_subscriptions,
     codec_headers,
     connect,
+    drain_or_close,
     is_no_responders,
     message_codec,
     publish,
@@ -196,7 +197,7 @@ class MeshClient:
         await unsubscribe_quietly(self._sub)
         self._sub = None
         if self._owns_connection:
-            await self.nc.drain()
+            await drain_or_close(self.nc)
 
     async def __aenter__(self) -> MeshClient:
         return self

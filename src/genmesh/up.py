@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from genmesh.services.run import STOP_SIGNALS
 from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable, connect, redact
 from genmesh.shared.ids import new_worker_id
 from genmesh.shared.natsserver import NatsServer, NatsServerError
@@ -41,9 +42,12 @@ def _say(message: str) -> None:
 async def _spawn(
     role: str, label: str, args: list[str], env: dict[str, str] | None = None
 ) -> Child:
+    # A session of its own: a terminal's Ctrl-C (SIGINT to the whole foreground process
+    # group) reaches only `genmesh up`, which stops the services in order, NATS last.
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "genmesh", role, *args, stdin=asyncio.subprocess.DEVNULL, env=env
-    )
+        sys.executable, "-m", "genmesh", role, *args,
+        stdin=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
+    )  # fmt: skip
     return Child(role, label, process)
 
 
@@ -171,7 +175,7 @@ async def _up(args: argparse.Namespace) -> int:
     children: list[Child] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     try:
         for i in range(args.routers):
@@ -216,7 +220,7 @@ async def _up(args: argparse.Namespace) -> int:
         _print_summary(url, server, children, http_url, args)
         return 1 if await _watch(children, stop) else 0
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         _say("stopping")
         await _stop(children, args.drain_timeout)

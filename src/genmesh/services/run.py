@@ -26,7 +26,7 @@ from genmesh.services.worker.engines.base import Engine
 from genmesh.services.worker.metrics import worker_registry
 from genmesh.services.worker.service import Worker, WorkerConfig
 from genmesh.shared import tracing
-from genmesh.shared.bus import NO_AUTH, NatsAuth, connect
+from genmesh.shared.bus import NO_AUTH, NatsAuth, connect, drain_or_close
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.ids import new_router_id
 from genmesh.shared.metrics import serving_metrics
@@ -35,18 +35,22 @@ from genmesh.shared.subjects import Subjects
 log = logging.getLogger(__name__)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.asynccontextmanager
 async def stop_signals() -> AsyncIterator[asyncio.Event]:
-    """An event set by SIGINT or SIGTERM. Enter it before announcing readiness, so that a
-    supervisor's early SIGTERM still means a clean stop, not the default instant death."""
+    """An event set by SIGINT, SIGTERM or SIGHUP (a closed terminal). Enter it before
+    announcing readiness, so that a supervisor's early SIGTERM still means a clean stop,
+    not the default instant death."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     try:
         yield stop
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
@@ -187,7 +191,7 @@ async def serve_router(
             log.info("router %s stopping", router_id)
         finally:
             await router.stop()
-            await nc.drain()
+            await drain_or_close(nc)
 
 
 async def serve_worker(
@@ -224,7 +228,7 @@ async def serve_worker(
             log.info("worker %s stopping", worker.worker_id)
         finally:
             await service.stop()
-            await nc.drain()
+            await drain_or_close(nc)
 
 
 def configure_logging(level: str, label: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import ssl
@@ -398,6 +399,18 @@ def _server_of(nc: Client) -> str | None:
     if uri is None:
         return None
     return f"{uri.hostname}:{uri.port}"
+
+
+async def drain_or_close(nc: Client) -> None:
+    """Drain the connection (pending publishes and callbacks finish), or close it when
+    there is no server to drain to (an outage): a service asked to stop, stops."""
+    try:
+        await nc.drain()
+        return
+    except Exception as exc:
+        log.debug("NATS: could not drain (%s); closing", exc)
+    with contextlib.suppress(OSError):  # nats-py flushes into the socket that is gone
+        await nc.close()
 
 
 async def unsubscribe_quietly(sub: Subscription | None) -> None:

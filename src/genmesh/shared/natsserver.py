@@ -71,6 +71,9 @@ class NatsServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=self.env,
+            # Stopped by its owner, last (`genmesh up`: after the services), not by a
+            # terminal's Ctrl-C reaching the whole process group.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         port: str | None = None

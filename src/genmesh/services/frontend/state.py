@@ -15,6 +15,7 @@ from nats.aio.client import Client
 
 from genmesh.client import MeshClient
 from genmesh.services.frontend.observe import Observer
+from genmesh.shared.bus import drain_or_close
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Frame
@@ -66,7 +67,7 @@ class MeshBackend:
     async def close(self) -> None:
         await self.directory.close()
         await self.client.close()
-        await self.nc.drain()
+        await drain_or_close(self.nc)
 
 
 @dataclass(slots=True)
