@@ -32,8 +32,8 @@ import aiohttp
 import orjson
 
 from genmesh.client import request
-from genmesh.services.worker.engines.http import HttpEngineConfig
-from genmesh.services.worker.engines.sglang import SglangEngine
+from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.sglang import SglangEngine
 from genmesh.shared.ids import new_request_id
 
 PROMPT = list(range(1, 33))

@@ -27,10 +27,10 @@ import orjson
 
 from genmesh.client import request
 from genmesh.codecs import get_codec
+from genmesh.engines.execute import execute
+from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.formats.merge import Merger
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
-from genmesh.services.worker.execute import execute
 
 
 def median_us(fn: Callable[[], Any], repeats: int) -> float:

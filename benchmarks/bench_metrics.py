@@ -18,7 +18,7 @@ import timeit
 from typing import Any
 
 from genmesh.services.frontend.metrics import FrontendMetrics
-from genmesh.services.frontend.observe import Observation, Observer, RequestInfo
+from genmesh.services.frontend.observers import Observation, Observer, RequestInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.metrics import metrics_response
 

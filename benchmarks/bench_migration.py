@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.mesh import Mesh, Service
 
 from genmesh.shared.natsserver import NatsServer
-from genmesh.testkit.faulty import control_subject
+from genmesh.shared.subjects import Subjects
 
 NAMESPACE = "benchmig"
 VOCAB, EOS = 1000, 7
@@ -145,7 +145,7 @@ class Bench:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for service in self.mesh.workers:
-                subject = control_subject(NAMESPACE, service.name)
+                subject = Subjects(NAMESPACE).testkit(service.name)
                 try:
                     msg = await nc.request(subject, b"{}", timeout=0.5)
                 except Exception:  # a worker still starting, or one just killed

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.mesh import Mesh, Service, free_port, wait_until
 
 from genmesh.shared.natsserver import NatsServer
-from genmesh.testkit.faulty import control_subject
+from genmesh.shared.subjects import Subjects
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROMPT = [(7 * i + 1) % 50_000 for i in range(32)]
@@ -294,7 +294,7 @@ async def drive_count(
     """Queue `drops` faults on `faulty`, send every request; (failed, faults consumed)."""
     nc = await nats.connect(nats_url)
     fault = {"kind": "drop", "after_tokens": 2, "count": drops}
-    await nc.request(control_subject(namespace, faulty), json.dumps(fault).encode(), 5)
+    await nc.request(Subjects(namespace).testkit(faulty), json.dumps(fault).encode(), 5)
     total = len(kinds)
     counter = iter(range(total))
     failed = done = 0
@@ -314,7 +314,7 @@ async def drive_count(
     connector = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(args.concurrency)))
-    reply = await nc.request(control_subject(namespace, faulty), b"{}", 5)
+    reply = await nc.request(Subjects(namespace).testkit(faulty), b"{}", 5)
     pending = json.loads(reply.data)["faults_pending"]
     await nc.close()
     return failed, drops - (pending[0]["count"] if pending else 0)

@@ -18,12 +18,12 @@ import time
 
 from aiohttp import web
 
+from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.local import LocalBackend
 from genmesh.services.frontend.state import FrontendState
-from genmesh.services.run import stop_signals
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.shared.lifecycle import stop_signals
 
 BODY_LIMIT_BYTES = 32 * 1024 * 1024  # the frontend's default --body-limit-mb
 

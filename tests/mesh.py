@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from genmesh.services.run import FrontendOptions
+from genmesh.services.frontend.serve import FrontendOptions
 from genmesh.shared.ids import new_worker_id
 
 

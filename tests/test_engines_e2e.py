@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from genmesh.client import request
-from genmesh.services.worker.engines.mock import MockEngine
+from genmesh.engines.mock import MockEngine
 from tests.conftest import unique_namespace
 from tests.http_util import post, stream
 from tests.mesh import Mesh, wait_until

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from genmesh.client import request
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.mock import (
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.mock import (
     MockConfig,
     MockEngine,
     TokenModel,

@@ -15,7 +15,7 @@ import pytest
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
-from genmesh.services.run import start_frontend
+from genmesh.services.frontend.serve import start_frontend
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace

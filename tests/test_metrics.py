@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from genmesh.services.frontend import metrics as frontend_metrics
 from genmesh.services.frontend.metrics import FrontendMetrics, migration_reason
-from genmesh.services.frontend.observe import Observation, RequestInfo
+from genmesh.services.frontend.observers import Observation, RequestInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import metrics_response
-from genmesh.testkit.faulty import control_subject
+from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post, stream
 from tests.mesh import Mesh, free_port
@@ -355,7 +355,7 @@ def scraper(one_worker: tuple[Mesh, Scraper]) -> Scraper:
 async def inject(mesh: Mesh, worker_id: str, fault: dict[str, Any]) -> dict[str, Any]:
     nc = await nats.connect(mesh.nats_url)
     try:
-        subject = control_subject(mesh.namespace, worker_id)
+        subject = Subjects(mesh.namespace).testkit(worker_id)
         msg = await nc.request(subject, json.dumps(fault).encode(), timeout=5)
         answer: dict[str, Any] = json.loads(msg.data)
     finally:

@@ -43,7 +43,6 @@ from genmesh.client import MIG, MeshClient, request
 from genmesh.shared import frames
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
-from genmesh.testkit.faulty import control_subject
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, Service, start_mesh, wait_until
 
@@ -334,7 +333,7 @@ class WorkerFaults(FaultControl):
         self.worker_ids = sorted(w.name for w in mesh.workers)
 
     async def _ask(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        subject = control_subject(self.mesh.namespace, worker_id)
+        subject = Subjects(self.mesh.namespace).testkit(worker_id)
         msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=5)
         answer: dict[str, Any] = json.loads(msg.data)
         assert "error" not in answer, answer

@@ -24,15 +24,15 @@ from genmesh.formats.catalog import load_generate_formats
 from genmesh.records import SCHEMA
 from genmesh.records.check import check, read_records
 from genmesh.records.hashing import block_hashes, int32le, output_hash
-from genmesh.records.observer import RecordsConfig, RequestRecords, config_from_env
 from genmesh.records.replay import outputs, replay
 from genmesh.records.sinks import FileSink, NatsSink, Record, Sink, dump, segment_paths
 from genmesh.services.frontend.app import build_app
+from genmesh.services.frontend.records import RecordsConfig, RequestRecords, config_from_env
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Frame
-from genmesh.testkit.faulty import control_subject
+from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh
 
@@ -641,7 +641,7 @@ async def genmesh_cli(args: list[str], **kwargs: Any) -> subprocess.CompletedPro
 
 
 async def fault_control(nc: Any, namespace: str, worker: str, body: Any) -> Any:
-    reply = await nc.request(control_subject(namespace, worker), json.dumps(body).encode(), 5)
+    reply = await nc.request(Subjects(namespace).testkit(worker), json.dumps(body).encode(), 5)
     return json.loads(reply.data)
 
 

@@ -28,8 +28,8 @@ import pytest
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
-from genmesh.services.run import start_frontend
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.engines.mock import MockConfig, MockEngine
+from genmesh.services.frontend.serve import start_frontend
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.frames import ack as ack_frame
 from genmesh.shared.natsserver import NatsServer

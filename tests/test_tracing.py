@@ -41,21 +41,23 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from genmesh.client import MeshClient, request
-from genmesh.services.frontend.observe import RequestInfo
+from genmesh.client.tracing import attempt_span
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.sglang import SglangEngine
+from genmesh.engines.tracing import engine_call
+from genmesh.services.frontend.observers import RequestInfo
+from genmesh.services.frontend.serve import start_frontend
 from genmesh.services.frontend.traces import TraceObserver
 from genmesh.services.router.service import Router
-from genmesh.services.run import start_frontend
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.http import HttpEngineConfig
-from genmesh.services.worker.engines.sglang import SglangEngine
 from genmesh.services.worker.service import Worker, WorkerConfig
+from genmesh.services.worker.tracing import worker_span
 from genmesh.shared import tracing
 from genmesh.shared.bus import connect
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import Subjects
 from genmesh.testkit import serving
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.faulty import control_subject
 from genmesh.testkit.sglang_server import build_app
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, frontend_options, wait_until
@@ -132,8 +134,8 @@ async def test_off_nothing_is_built() -> None:
     tracing.install(None)
     assert tracing.tracer() is None
     envelope = request([1, 2, 3])
-    assert tracing.attempt_span(envelope, "genmesh.x.router.generate") is None
-    assert tracing.worker_span("s", envelope, "w", "mock", "d") is None
+    assert attempt_span(envelope, "genmesh.x.router.generate") is None
+    assert worker_span("s", envelope, "w", "mock", "d") is None
     headers = {"Accept": "text/event-stream"}
     assert tracing.inject_current(headers) is headers
 
@@ -141,7 +143,7 @@ async def test_off_nothing_is_built() -> None:
         yield EngineOutput(tokens=[1])
 
     gen = outputs()
-    assert tracing.engine_call(gen, "sglang", "http://127.0.0.1:1", "/generate") is gen
+    assert engine_call(gen, "sglang", "http://127.0.0.1:1", "/generate") is gen
     await gen.aclose()
 
 
@@ -189,7 +191,7 @@ async def test_engine_call_span_is_current_only_inside_the_adapter(
         yield EngineOutput(tokens=[7], finish={"reason": "length"}, usage={})
 
     with tracer.start_as_current_span("worker") as worker:
-        outputs = tracing.engine_call(adapter(), "sglang", "http://127.0.0.1:30000", "/generate")
+        outputs = engine_call(adapter(), "sglang", "http://127.0.0.1:30000", "/generate")
         got = []
         async for out in outputs:
             got.extend(out.tokens)
@@ -222,7 +224,7 @@ async def test_engine_call_records_an_engine_error(memory: InMemorySpanExporter)
         yield EngineOutput(tokens=[])  # pragma: no cover
 
     with pytest.raises(MeshError):
-        async for _ in tracing.engine_call(adapter(), "sglang", "http://e:1", "/generate"):
+        async for _ in engine_call(adapter(), "sglang", "http://e:1", "/generate"):
             pass
     (engine,) = memory.get_finished_spans()
     assert engine.status.status_code is StatusCode.ERROR
@@ -691,7 +693,7 @@ async def test_a_migrated_request_shows_each_attempt_in_one_trace(
     nc = await nats.connect(nats_url)
     try:
         fault = {"kind": "drop", "after_tokens": 2}
-        subject = control_subject(mesh.namespace, FAULTY_WORKER)
+        subject = Subjects(mesh.namespace).testkit(FAULTY_WORKER)
         await nc.request(subject, json.dumps(fault).encode(), timeout=5)
         spans: list[Received] = []
         for n in range(6):  # until a request lands on the faulty worker and migrates

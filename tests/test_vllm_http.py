@@ -15,8 +15,8 @@ import pytest
 from multidict import CIMultiDict
 
 from genmesh.client import request
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.mock import (
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.mock import (
     MockConfig,
     MockEngine,
     TokenModel,

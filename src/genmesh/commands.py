@@ -30,7 +30,8 @@ def _run_service(coro: Coroutine[Any, Any, None]) -> int:
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
-    from genmesh.services.run import FrontendOptions, configure_logging, serve_frontend
+    from genmesh.services.frontend.serve import FrontendOptions, serve_frontend
+    from genmesh.shared.lifecycle import configure_logging
 
     configure_logging(args.log_level, "frontend")
     return _run_service(
@@ -57,7 +58,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def _records_config(args: argparse.Namespace) -> Any:
-    from genmesh.records.observer import RecordsConfig
+    from genmesh.services.frontend.records import RecordsConfig
 
     return RecordsConfig(
         path=args.request_trace or None,
@@ -87,7 +88,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from genmesh.services.run import configure_logging, serve_router
+    from genmesh.services.router.serve import serve_router
+    from genmesh.shared.lifecycle import configure_logging
 
     configure_logging(args.log_level, "router")
     return _run_service(
@@ -103,7 +105,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def mock_config(args: argparse.Namespace) -> Any:
-    from genmesh.services.worker.engines.mock import MockConfig
+    from genmesh.engines.mock import MockConfig
 
     return MockConfig(
         model=args.mock_model,
@@ -115,15 +117,16 @@ def mock_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from genmesh.services.run import configure_logging, serve_worker
+    from genmesh.services.worker.serve import serve_worker
     from genmesh.services.worker.service import WorkerConfig
     from genmesh.shared.ids import is_subject_token, new_worker_id
+    from genmesh.shared.lifecycle import configure_logging
 
     worker_id = args.worker_id or new_worker_id()
     if not is_subject_token(worker_id):
         return _fail(f"--worker-id {worker_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
     configure_logging(args.log_level, f"worker[{worker_id}]")
-    from genmesh.services.worker.engines import create_engine
+    from genmesh.engines import create_engine
 
     try:  # the settings are checked before connecting to anything
         engine = create_engine(args.engine, url=args.engine_url, mock=mock_config(args))
@@ -154,7 +157,7 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
 
 async def _nats(args: argparse.Namespace) -> int:
-    from genmesh.services.run import stop_signals
+    from genmesh.shared.lifecycle import stop_signals
 
     server = NatsServer(host=args.host, port=args.nats_port)
     async with stop_signals() as stop:
@@ -172,7 +175,7 @@ async def _nats(args: argparse.Namespace) -> int:
 
 
 def cmd_testkit(args: argparse.Namespace) -> int:
-    from genmesh.services.run import configure_logging
+    from genmesh.shared.lifecycle import configure_logging
     from genmesh.testkit.common import MockServerConfig
 
     configure_logging(args.log_level, f"testkit[{args.engine}]")
@@ -189,7 +192,7 @@ def cmd_testkit(args: argparse.Namespace) -> int:
 
 
 async def _testkit(engine: str, config: Any, host: str, port: int) -> None:
-    from genmesh.services.run import stop_signals
+    from genmesh.shared.lifecycle import stop_signals
     from genmesh.testkit import serving
 
     if engine == "sglang":

@@ -15,9 +15,9 @@ from typing import Any
 
 import aiohttp
 
-from genmesh.services.run import STOP_SIGNALS
 from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable, connect, redact
 from genmesh.shared.ids import new_worker_id
+from genmesh.shared.lifecycle import STOP_SIGNALS
 from genmesh.shared.natsserver import NatsServer, NatsServerError
 
 READY_TIMEOUT_S = 30.0

@@ -4,7 +4,7 @@ Each harness runs an engine adapter the way a worker does, against the thing it 
 `mock` (in-process, faults injected by FaultyEngine), `sglang` (cumulative and
 incremental streaming) and `vllm` (with and without `/abort_requests`) against the
 testkit's mock HTTP servers on real sockets. Faults and observations use the same
-vocabulary everywhere (`genmesh.testkit.common`).
+vocabulary everywhere (`genmesh.engines.faults`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 import aiohttp
 
 from genmesh.client import request
-from genmesh.services.worker.engines.base import Engine
-from genmesh.services.worker.engines.http import HttpEngineConfig
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.engines.base import Engine
+from genmesh.engines.faults import Fault, FaultyEngine, ServerState
+from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.ids import new_request_id
 from genmesh.testkit import serving
-from genmesh.testkit.common import Fault, MockServerConfig, ServerState
-from genmesh.testkit.faulty import FaultyEngine
+from genmesh.testkit.common import MockServerConfig
 
 VOCAB, EOS = 1000, 7
 ENGINES = ("mock", "sglang", "sglang-incremental", "vllm", "vllm-no-abort")
@@ -102,13 +102,13 @@ async def harness(name: str) -> AsyncIterator[Harness]:
         tokens_only=name != "vllm-no-abort",
     )
     if name.startswith("sglang"):
-        from genmesh.services.worker.engines.sglang import SglangEngine
+        from genmesh.engines.sglang import SglangEngine
         from genmesh.testkit.sglang_server import build_app
 
         def make(url: str) -> Engine:
             return SglangEngine(HttpEngineConfig(url, read_timeout_s=10))
     else:
-        from genmesh.services.worker.engines.vllm import VllmEngine
+        from genmesh.engines.vllm import VllmEngine
         from genmesh.testkit.vllm_server import build_app
 
         def make(url: str) -> Engine:

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from genmesh.services.worker.engines.base import EngineOutput
+from genmesh.engines.base import EngineOutput
 from genmesh.shared.errors import ErrorCode, MeshError
 from tests.conformance.harness import EOS, Harness, envelope, expected
 
@@ -112,7 +112,7 @@ async def logprobs(h: Harness) -> None:
 
 
 async def _reference_outputs(**kwargs: object):  # type: ignore[no-untyped-def]
-    from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+    from genmesh.engines.mock import MockConfig, MockEngine
     from tests.conformance.harness import VOCAB
 
     engine = MockEngine(MockConfig(vocab_size=VOCAB, eos_token_id=EOS))

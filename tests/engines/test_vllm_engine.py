@@ -15,19 +15,19 @@ import pytest
 from multidict import CIMultiDict
 
 from genmesh.client import request
-from genmesh.formats.vllm import VllmFormat
-from genmesh.services.worker.engines import create_engine
-from genmesh.services.worker.engines import vllm as vllm_mod
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.http import INCOMPLETE, HttpEngineConfig
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
-from genmesh.services.worker.engines.vllm import (
+from genmesh.engines import create_engine
+from genmesh.engines import vllm as vllm_mod
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.http import INCOMPLETE, HttpEngineConfig
+from genmesh.engines.mock import MockConfig, MockEngine
+from genmesh.engines.vllm import (
     ENGINE_ID_PREFIX,
     VllmEngine,
     _Parser,
     engine_request_ids,
     vllm_request,
 )
+from genmesh.formats.vllm import VllmFormat
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.testkit import serving

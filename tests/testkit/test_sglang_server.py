@@ -24,8 +24,8 @@ import pytest
 from aiohttp import web
 
 from genmesh.client import request
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.mock import (
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.mock import (
     MockConfig,
     MockEngine,
     TokenModel,

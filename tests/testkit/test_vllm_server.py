@@ -20,10 +20,11 @@ import aiohttp
 import pytest
 
 from genmesh.client import request
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.faults import ServerState
+from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.testkit import serving
-from genmesh.testkit.common import MockServerConfig, ServerState
+from genmesh.testkit.common import MockServerConfig
 from genmesh.testkit.vllm_server import build_app, state_of
 from tests.mesh import free_port, wait_until
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genmesh.client import request
-from genmesh.services.worker.engines.base import EngineOutput
-from genmesh.services.worker.engines.mock import (
+from genmesh.engines.base import EngineOutput
+from genmesh.engines.mock import (
     MAX_TOP_LOGPROBS,
     MockConfig,
     MockEngine,

@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from genmesh.engines.execute import output_frame
+from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.catalog import installed_formats, load_generate_formats
 from genmesh.formats.merge import Merger, fold
@@ -33,8 +35,6 @@ from genmesh.formats.vllm.response import (
     prompt_logprobs,
     top_entries,
 )
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
-from genmesh.services.worker.execute import output_frame
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError

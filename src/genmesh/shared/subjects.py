@@ -34,6 +34,10 @@ class Subjects:
         """Answered by the worker while it lives: a requester's liveness check."""
         return f"{self.prefix}.worker.{worker_id}.ping"
 
+    def testkit(self, worker_id: str) -> str:
+        """Fault control of a worker started with `--testkit-faults` (tests only)."""
+        return f"{self.prefix}.testkit.{worker_id}"
+
     @property
     def cancel(self) -> str:
         return f"{self.prefix}.cancel"

@@ -27,25 +27,22 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from genmesh import __version__
 from genmesh.shared import frames
-from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.errors import ErrorCode
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from genmesh.services.worker.engines.base import EngineOutput
-    from genmesh.shared.discovery import WorkerInfo
     from genmesh.shared.envelope import Envelope
 
 log = logging.getLogger(__name__)
@@ -324,20 +321,6 @@ class FrameSpan:
         span.end()
 
 
-def attempt_span(envelope: Envelope, subject: str) -> FrameSpan | None:
-    """One dispatch attempt of a requester (MeshClient), a child of the current span."""
-    if _tracer is None:
-        return None
-    span = _tracer.start_span(f"send {subject}", kind=SpanKind.CLIENT)
-    if span.is_recording():
-        attributes = nats_attributes(subject, "send", "send")
-        attributes[REQUEST_ID] = envelope.id
-        attributes[ATTEMPT] = attempt_of(envelope)
-        attributes[FORMAT] = envelope.format
-        span.set_attributes(attributes)
-    return FrameSpan(span)
-
-
 @contextlib.contextmanager
 def remote_parent(headers: Mapping[str, str] | None) -> Iterator[None]:
     """Make the trace context that `headers` carry current for the block (a message
@@ -349,196 +332,7 @@ def remote_parent(headers: Mapping[str, str] | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _worker_attributes(subject: str, worker: str, engine: str) -> dict[str, Any]:
-    attributes = nats_attributes(subject, "process", "process")
-    attributes[WORKER] = worker
-    attributes[ENGINE] = engine
-    return attributes
-
-
-def worker_span(
-    subject: str, envelope: Envelope, worker: str, engine: str, dispatch: str
-) -> FrameSpan | None:
-    """A worker's span for a request it admitted, a child of the current context (the
-    requester's, through `remote_parent`). Current in the request's task (`enter`)."""
-    if _tracer is None:
-        return None
-    span = _tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
-    if span.is_recording():
-        attributes = _worker_attributes(subject, worker, engine)
-        attributes[REQUEST_ID] = envelope.id
-        attributes[DISPATCH_ID] = dispatch
-        attributes[ATTEMPT] = attempt_of(envelope)
-        attributes[FORMAT] = envelope.format
-        span.set_attributes(attributes)
-    return FrameSpan(span)
-
-
-def worker_rejected(
-    subject: str, worker: str, engine: str, request_id: str | None, code: ErrorCode, message: str
-) -> None:
-    """A worker's span for a request it refused: ERROR, and over at once."""
-    if _tracer is None:
-        return
-    span = _tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
-    if span.is_recording():
-        attributes = _worker_attributes(subject, worker, engine)
-        if request_id is not None:
-            attributes[REQUEST_ID] = request_id
-        span.set_attributes(attributes)
-        fail(span, code.value, message)
-    span.end()
-
-
 def enter(span: FrameSpan) -> None:
     """Make `span` current for the rest of the calling task, which owns it (a worker's
     request task): the task's context is its own copy, so nothing leaks out."""
     otel_context.attach(trace.set_span_in_context(span.span))
-
-
-class HopSpan:
-    """A span with the context it continues (a router's: its forward carries both)."""
-
-    __slots__ = ("parent", "span")
-
-    def __init__(self, span: Span, parent: Context) -> None:
-        self.span = span
-        self.parent = parent
-
-
-def router_span(
-    headers: Mapping[str, str] | None, subject: str, envelope: Envelope, policy: str, router: str
-) -> HopSpan | None:
-    """A router's span for one request, a child of the requester's span in `headers`."""
-    if _tracer is None:
-        return None
-    parent = extract(headers)
-    span = _tracer.start_span(f"process {subject}", parent, kind=SpanKind.CONSUMER)
-    if span.is_recording():
-        attributes = nats_attributes(subject, "process", "process")
-        attributes[ROUTER] = router
-        attributes[ROUTER_POLICY] = policy
-        attributes[REQUEST_ID] = envelope.id
-        attributes[ATTEMPT] = attempt_of(envelope)
-        attributes[FORMAT] = envelope.format
-        span.set_attributes(attributes)
-    return HopSpan(span, parent)
-
-
-def routed(
-    hop: HopSpan,
-    worker: WorkerInfo,
-    candidates: list[WorkerInfo],
-    headers: Mapping[str, str] | None,
-) -> dict[str, str]:
-    """End the router's span with its decision (the worker, among how many free eligible
-    ones); the forward's headers, carrying the span's context (the requester's baggage
-    kept), so that the worker's span is its child."""
-    span = hop.span
-    if span.is_recording():
-        span.set_attributes(
-            {
-                WORKER: worker.id,
-                ROUTER_CANDIDATES: len(candidates),
-                ROUTER_CANDIDATE_IDS: [w.id for w in candidates[:MAX_LISTED]],
-            }
-        )
-    forwarded = inject(headers, span, hop.parent)
-    span.end()
-    return forwarded
-
-
-def rejected(hop: HopSpan | None, code: ErrorCode, message: str) -> None:
-    """End a router's span whose request it could not route."""
-    if hop is not None:
-        if hop.span.is_recording():
-            fail(hop.span, code.value, message)
-        hop.span.end()
-
-
-# --------------------------------------------------------------------- engine calls
-
-
-def engine_call(
-    outputs: AsyncGenerator[EngineOutput, None], engine: str, url: str, path: str
-) -> AsyncGenerator[EngineOutput, None]:
-    """An HTTP engine's outputs under a CLIENT span `POST <path>`, a child of the current
-    span (the worker's); `outputs` itself when tracing is off. The span is current while
-    the adapter runs, so `inject_current` gives the engine its `traceparent`."""
-    tr = _tracer
-    if tr is None:
-        return outputs
-    span = tr.start_span(f"POST {path}", kind=SpanKind.CLIENT)
-    if span.is_recording():
-        parts = urlsplit(url.rstrip("/") + path)
-        span.set_attributes(
-            {
-                "http.request.method": "POST",
-                "url.full": parts.geturl(),
-                "url.template": path,
-                "server.address": parts.hostname or "",
-                "server.port": parts.port or (443 if parts.scheme == "https" else 80),
-                ENGINE: engine,
-            }
-        )
-    return _engine_call(outputs, span)
-
-
-async def _engine_call(
-    outputs: AsyncGenerator[EngineOutput, None], span: Span
-) -> AsyncGenerator[EngineOutput, None]:
-    ctx = trace.set_span_in_context(span)
-    recording = span.is_recording()
-    tokens = 0
-    answered = finished = False
-    try:
-        while True:
-            # Current only while the adapter runs: each step attaches and detaches in
-            # this task, so the worker's own code between steps never sees it.
-            token = otel_context.attach(ctx)
-            try:
-                out = await outputs.__anext__()
-            except StopAsyncIteration:
-                return
-            finally:
-                otel_context.detach(token)
-            if not answered:
-                answered = True
-                if recording:
-                    span.set_attribute("http.response.status_code", 200)
-            if out.tokens and not tokens:
-                span.add_event(FIRST_TOKEN)
-            tokens += len(out.tokens)
-            if out.finish is not None:
-                finished = True
-                if recording:
-                    reason = out.finish.get("reason")
-                    if isinstance(reason, str):
-                        span.set_attribute(FINISH_REASON, reason)
-                    span.add_event(FINISH, {TOKENS_OUTPUT: tokens})
-            yield out
-    except MeshError as exc:
-        if recording:
-            status = (exc.detail or {}).get("status_code")
-            if isinstance(status, int):
-                span.set_attribute("http.response.status_code", status)
-            fail(span, exc.code.value, exc.message)
-        raise
-    except Exception as exc:
-        if recording:
-            span.record_exception(exc)
-            fail(span, ErrorCode.INTERNAL.value, repr(exc))
-        raise
-    except BaseException:  # cancelled, or closed by the worker
-        if recording and not finished:
-            span.set_attribute(GENMESH_ERROR_TYPE, ErrorCode.CANCELLED.value)
-        raise
-    finally:
-        token = otel_context.attach(ctx)
-        try:
-            await outputs.aclose()  # the adapter's abort, if any, under this span too
-        finally:
-            otel_context.detach(token)
-            if recording:
-                span.set_attribute(TOKENS_OUTPUT, tokens)
-            span.end()

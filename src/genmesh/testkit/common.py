@@ -25,17 +25,11 @@ through a small admin API on the same port (all under `/testkit/`):
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
-FaultKind = Literal["http_error", "drop", "no_terminal", "done_early", "hang", "abort"]
-FAULT_KINDS: tuple[str, ...] = ("http_error", "drop", "no_terminal", "done_early", "hang", "abort")
+from genmesh.engines.faults import Fault, ServerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,101 +45,6 @@ class MockServerConfig:
     incremental: bool = False
     # vLLM: --tokens-only, which also registers POST /abort_requests.
     tokens_only: bool = True
-
-
-@dataclass(slots=True)
-class Fault:
-    kind: FaultKind
-    status: int = 500
-    after_tokens: int = 0
-    count: int = 1
-    message: str = "injected fault"
-
-    @classmethod
-    def from_json(cls, obj: Any) -> Fault:
-        if not isinstance(obj, dict) or obj.get("kind") not in FAULT_KINDS:
-            raise ValueError(f"a fault needs 'kind', one of {', '.join(FAULT_KINDS)}")
-        fault = cls(kind=obj["kind"])
-        for key in ("status", "after_tokens", "count"):
-            value = obj.get(key, getattr(fault, key))
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"fault {key} must be an integer")
-            setattr(fault, key, value)
-        message = obj.get("message", fault.message)
-        if not isinstance(message, str):
-            raise ValueError("fault message must be a string")
-        fault.message = message
-        return fault
-
-
-@dataclass(slots=True)
-class Running:
-    """One generation in progress: abort() makes its loop finish with an abort reason."""
-
-    rid: str
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
-    # True while still waiting for a free slot (SGLang's waiting queue).
-    waiting: bool = True
-
-
-@dataclass
-class ServerState:
-    token_delay_s: float = 0.0
-    healthy: bool = True
-    received: int = 0
-    completed: int = 0
-    faults: deque[Fault] = field(default_factory=deque)
-    running: dict[str, Running] = field(default_factory=dict)
-    aborted: list[str] = field(default_factory=list)
-    disconnected: list[str] = field(default_factory=list)
-    # Every abort call: {"ids": [...], "at": Unix time of its arrival}.
-    abort_calls: list[dict[str, Any]] = field(default_factory=list)
-    # The W3C `traceparent` header of each generate request that carried one.
-    traceparents: list[str] = field(default_factory=list)
-    _ids: itertools.count[int] = field(default_factory=itertools.count)
-
-    def next_fault(self) -> Fault | None:
-        """The fault for the request arriving now, if one is queued."""
-        if not self.faults:
-            return None
-        fault = self.faults[0]
-        if fault.count > 0:
-            fault.count -= 1
-            if fault.count == 0:
-                self.faults.popleft()
-        return fault
-
-    def start(self, rid: str) -> Running:
-        self.received += 1
-        running = Running(rid)
-        self.running[rid] = running
-        return running
-
-    def finish(self, running: Running, *, completed: bool) -> None:
-        self.running.pop(running.rid, None)
-        if completed:
-            self.completed += 1
-
-    def abort_matching(self, predicate: Callable[[str], bool]) -> list[str]:
-        hits = [rid for rid in self.running if predicate(rid)]
-        for rid in hits:
-            self.running[rid].aborted.set()
-            self.aborted.append(rid)
-        return hits
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "received": self.received,
-            "completed": self.completed,
-            "running": sorted(self.running),
-            "aborted": list(self.aborted),
-            "disconnected": list(self.disconnected),
-            "abort_calls": list(self.abort_calls),
-            "traceparents": list(self.traceparents),
-            "faults_pending": [asdict(f) for f in self.faults],
-            "token_delay_ms": self.token_delay_s * 1000,
-            "healthy": self.healthy,
-        }
 
 
 STATE = web.AppKey("testkit_state", ServerState)

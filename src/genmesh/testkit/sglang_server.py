@@ -19,7 +19,7 @@ genmesh's rendering and parsing:
 - `/health`, `/health_generate`, `/get_model_info` (`/model_info`), `/get_server_info`
   (`/server_info`), `/v1/models`, `/flush_cache`.
 
-Tokens come from genmesh's deterministic token model (`genmesh.services.worker.engines.
+Tokens come from genmesh's deterministic token model (`genmesh.engines.
 mock`): the same tokens, logprobs and routed experts the mock worker engine produces.
 Tests inject faults and read state through the `/testkit/` routes of
 `genmesh.testkit.common`.
@@ -40,7 +40,8 @@ from typing import Any, Literal, TypeGuard
 import orjson
 from aiohttp import web
 
-from genmesh.services.worker.engines.mock import (
+from genmesh.engines.faults import Fault, Running, ServerState
+from genmesh.engines.mock import (
     MAX_TOP_LOGPROBS,
     ExpertModel,
     MockConfig,
@@ -49,13 +50,7 @@ from genmesh.services.worker.engines.mock import (
     initial_state,
 )
 from genmesh.shared.tasks import wait_event
-from genmesh.testkit.common import (
-    Fault,
-    MockServerConfig,
-    Running,
-    ServerState,
-    add_admin_routes,
-)
+from genmesh.testkit.common import MockServerConfig, add_admin_routes
 
 # The SGLang release this mock imitates: `--incremental-streaming-output` era (sglang#20614).
 SGLANG_VERSION = "0.5.10"

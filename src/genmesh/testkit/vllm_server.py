@@ -21,7 +21,7 @@ Profiles (`build_app(config, profile=...)`):
   is 16, `n > 1` gives `n` choices, top-level `kv_transfer_params` is not forwarded to the
   engine (only `sampling_params.extra_args.kv_transfer_params` is).
 
-Generation is genmesh's deterministic token model (`genmesh.services.worker.engines.mock`):
+Generation is genmesh's deterministic token model (`genmesh.engines.mock`):
 greedy over a rolling hash of (seed or 0, every token so far), min-tokens masking of EOS and
 stop ids, so the mock returns exactly the tokens and logprobs the mock worker engine does.
 
@@ -65,7 +65,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from genmesh.services.worker.engines.mock import (
+from genmesh.engines.faults import Fault, Running, ServerState
+from genmesh.engines.mock import (
     MAX_TOP_LOGPROBS,
     TokenModel,
     advance,
@@ -73,13 +74,7 @@ from genmesh.services.worker.engines.mock import (
 )
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.common import STATE as STATE_KEY
-from genmesh.testkit.common import (
-    Fault,
-    MockServerConfig,
-    Running,
-    ServerState,
-    add_admin_routes,
-)
+from genmesh.testkit.common import MockServerConfig, add_admin_routes
 
 Profile = Literal["new", "old"]
 PROFILES: tuple[str, ...] = ("new", "old")

@@ -20,7 +20,7 @@ from aiohttp import web
 from genmesh.client import MIG
 from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
 from genmesh.formats.merge import Merger, Rebaser
-from genmesh.services.frontend.observe import Observation, RequestInfo
+from genmesh.services.frontend.observers import Observation, RequestInfo
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode, MeshError, http_status

@@ -1,6 +1,6 @@
 """A frontend backend with the engine in-process: the frontend without the mesh.
 
-It produces exactly the frames a worker would (`genmesh.services.worker.execute`), so the
+It produces exactly the frames a worker would (`genmesh.engines.execute`), so the
 same handler serves them. The benchmark uses it as the direct-engine baseline; it also
 suits embedding one engine in one process.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from genmesh.services.worker.engines.base import Engine
-from genmesh.services.worker.execute import execute
+from genmesh.engines.base import Engine
+from genmesh.engines.execute import execute
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.ids import new_request_id

@@ -12,7 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from genmesh.client import MIG
-from genmesh.services.frontend.observe import RequestInfo
+from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import LoopCounter, LoopHistogram, new_registry

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from nats.aio.client import Client
 
 from genmesh.client import MeshClient
-from genmesh.services.frontend.observe import Observer
+from genmesh.services.frontend.observers import Observer
 from genmesh.shared.bus import drain_or_close
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.envelope import Envelope

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from genmesh.client import MIG
-from genmesh.services.frontend.observe import RequestInfo
+from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared import frames, tracing
 from genmesh.shared.errors import ErrorCode
 

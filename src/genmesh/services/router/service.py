@@ -16,8 +16,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
+from genmesh.services.router import tracing as router_tracing
 from genmesh.services.router.policies import Policy, make_policy
-from genmesh.shared import frames, tracing
+from genmesh.shared import frames
 from genmesh.shared.bus import (
     STREAM_TERMINATOR,
     check_subscriptions,
@@ -177,13 +178,13 @@ class Router:
         if not msg.reply:
             log.warning("request %s has no reply subject; dropped", envelope.id)
             return
-        span = tracing.router_span(
+        span = router_tracing.router_span(
             msg.headers, self.subjects.router_generate, envelope, self.policy.name, self.router_id
         )
         try:
             worker = self.choose(envelope)
         except MeshError as exc:
-            tracing.rejected(span, exc.code, exc.message)
+            router_tracing.rejected(span, exc.code, exc.message)
             await self._reject(msg, codec, envelope.id, exc)
             return
         self.directory.note_sent(worker)
@@ -192,7 +193,7 @@ class Router:
         # with tracing on, this router's span becomes the worker span's parent.
         headers = msg.headers
         if span is not None:
-            headers = tracing.routed(span, worker, self.last_candidates, headers)
+            headers = router_tracing.routed(span, worker, self.last_candidates, headers)
         await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=headers)
 
     async def _reject(self, msg: Msg, codec: Codec, rid: str | None, error: MeshError) -> None:

@@ -20,8 +20,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.services.worker.engines.base import Engine
-from genmesh.services.worker.execute import execute
+from genmesh.engines.base import Engine
+from genmesh.engines.execute import execute
+from genmesh.services.worker import tracing as worker_tracing
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
@@ -332,7 +333,7 @@ class Worker:
             )
             return
         active = _Active(envelope, reply, codec, dispatch=new_request_id())
-        active.span = tracing.worker_span(
+        active.span = worker_tracing.worker_span(
             self.subject, envelope, self.worker_id, self.engine.name, active.dispatch
         )
         self._active[rid] = active
@@ -356,7 +357,9 @@ class Worker:
         self, reply: str, codec: Codec, rid: str | None, code: ErrorCode, message: str
     ) -> None:
         log.info("rejected request %s: %s: %s", rid, code.value, message)
-        tracing.worker_rejected(self.subject, self.worker_id, self.engine.name, rid, code, message)
+        worker_tracing.worker_rejected(
+            self.subject, self.worker_id, self.engine.name, rid, code, message
+        )
         self.rejections += 1
         if not reply:
             return

@@ -29,8 +29,8 @@ from typing import Any
 
 import aiohttp
 
-from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
-from genmesh.services.worker.engines.http import (
+from genmesh.engines.base import EngineOutput, TopLogprobs
+from genmesh.engines.http import (
     HttpEngineBase,
     HttpEngineConfig,
     http_error,
@@ -38,6 +38,7 @@ from genmesh.services.worker.engines.http import (
     sse_events,
     unavailable,
 )
+from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -210,7 +211,7 @@ class SglangEngine(HttpEngineBase):
 
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
-        return tracing.engine_call(self._generate(env), self.name, self.config.url, "/generate")
+        return engine_call(self._generate(env), self.name, self.config.url, "/generate")
 
     async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         rid = new_dispatch_rid()

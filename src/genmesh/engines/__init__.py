@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from genmesh.services.worker.engines.base import Engine
-from genmesh.services.worker.engines.http import HttpEngineConfig
-from genmesh.services.worker.engines.mock import MockConfig, MockEngine
+from genmesh.engines.base import Engine
+from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.mock import MockConfig, MockEngine
 
 ENGINES = ("mock", "sglang", "vllm")
 
@@ -18,9 +18,9 @@ def create_engine(name: str, *, url: str | None = None, mock: MockConfig | None 
         raise ValueError(f"the {name} engine needs --engine-url (its HTTP address)")
     config = HttpEngineConfig(url=url)
     if name == "sglang":
-        from genmesh.services.worker.engines.sglang import SglangEngine
+        from genmesh.engines.sglang import SglangEngine
 
         return SglangEngine(config)
-    from genmesh.services.worker.engines.vllm import VllmEngine
+    from genmesh.engines.vllm import VllmEngine
 
     return VllmEngine(config)

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
+from genmesh.engines.base import EngineOutput, TopLogprobs
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 

@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator
 
-from genmesh.services.worker.engines.base import Engine, EngineOutput
+from genmesh.engines.base import Engine, EngineOutput
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError

@@ -1,57 +1,27 @@
-"""Run one service in the foreground until SIGINT/SIGTERM, then stop it cleanly."""
+"""Run the HTTP frontend: connect to NATS, discover, listen; stop cleanly on a signal."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
-from genmesh.records.observer import RecordsConfig, RequestRecords
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.metrics import FrontendMetrics
+from genmesh.services.frontend.records import RecordsConfig, RequestRecords
 from genmesh.services.frontend.state import FrontendState, MeshBackend
 from genmesh.services.frontend.traces import TraceObserver
-from genmesh.services.router.metrics import router_registry
-from genmesh.services.router.service import Router
-from genmesh.services.worker.engines.base import Engine
-from genmesh.services.worker.metrics import worker_registry
-from genmesh.services.worker.service import Worker, WorkerConfig
 from genmesh.shared import tracing
-from genmesh.shared.bus import NO_AUTH, NatsAuth, connect, drain_or_close
+from genmesh.shared.bus import NO_AUTH, NatsAuth, connect
 from genmesh.shared.discovery import WorkerDirectory
-from genmesh.shared.ids import new_router_id
-from genmesh.shared.metrics import serving_metrics
+from genmesh.shared.lifecycle import stop_signals
 from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.asynccontextmanager
-async def stop_signals() -> AsyncIterator[asyncio.Event]:
-    """An event set by SIGINT, SIGTERM or SIGHUP (a closed terminal). Enter it before
-    announcing readiness, so that a supervisor's early SIGTERM still means a clean stop,
-    not the default instant death."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield stop
-    finally:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,76 +134,3 @@ async def serve_frontend(opts: FrontendOptions) -> None:
             log.info("frontend stopping")
         finally:
             await running.close()
-
-
-async def serve_router(
-    nats_url: str,
-    namespace: str,
-    policy: str,
-    *,
-    metrics_host: str = "127.0.0.1",
-    metrics_port: int = 0,
-    auth: NatsAuth = NO_AUTH,
-) -> None:
-    router_id = new_router_id()
-    nc = await connect(
-        nats_url, name=f"genmesh-router-{router_id}", inbox_prefix="_INBOX_router", auth=auth
-    )
-    router = Router(nc, Subjects(namespace), policy=policy, router_id=router_id)
-    async with (
-        tracing.running("router", router_id),
-        stop_signals() as stop,
-        serving_metrics(metrics_host, metrics_port, lambda: router_registry(router)),
-    ):
-        try:
-            await router.start()
-            await stop.wait()
-            log.info("router %s stopping", router_id)
-        finally:
-            await router.stop()
-            await drain_or_close(nc)
-
-
-async def serve_worker(
-    nats_url: str,
-    namespace: str,
-    engine: Engine,
-    worker: WorkerConfig,
-    *,
-    testkit_faults: bool = False,
-    metrics_host: str = "127.0.0.1",
-    metrics_port: int = 0,
-    auth: NatsAuth = NO_AUTH,
-) -> None:
-    nc = await connect(
-        nats_url,
-        name=f"genmesh-worker-{worker.worker_id}",
-        inbox_prefix="_INBOX_worker",
-        auth=auth,
-    )
-    if testkit_faults:
-        from genmesh.testkit.faulty import FaultyEngine, serve_fault_control
-
-        engine = FaultyEngine(engine)
-        await serve_fault_control(nc, namespace, worker.worker_id, engine)
-    service = Worker(nc, Subjects(namespace), engine, worker)
-    async with (
-        tracing.running("worker", worker.worker_id),
-        stop_signals() as stop,
-        serving_metrics(metrics_host, metrics_port, lambda: worker_registry(service)),
-    ):
-        try:
-            await service.start()
-            await stop.wait()
-            log.info("worker %s stopping", worker.worker_id)
-        finally:
-            await service.stop()
-            await drain_or_close(nc)
-
-
-def configure_logging(level: str, label: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s",
-    )

@@ -1,6 +1,6 @@
 """The request-records observer: exactly one record per HTTP generate request.
 
-The frontend's handler feeds every observer (`services/frontend/observe.py`): `request` at
+The frontend's handler feeds every observer (`services/frontend/observers.py`): `request` at
 arrival, `dispatched` once the items have their private IDs, `frame` for every reply frame
 (the client's `mig` frames included) and `finished` exactly once, however the request ends:
 answered, refused, failed in-band, cancelled by a client that went away. The record is built
@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from genmesh.records import SCHEMA
 from genmesh.records.hashing import ALGORITHM, DEFAULT_BLOCK_SIZE, block_hashes, output_hash
 from genmesh.records.sinks import DEFAULT_ROLL_MB, FileSink, NatsSink, Record, Sink, dump
-from genmesh.services.frontend.observe import RequestInfo
+from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Frame
 from genmesh.shared.migration import attempt_id

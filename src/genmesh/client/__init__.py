@@ -41,6 +41,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from genmesh.client.tracing import attempt_span
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
@@ -265,7 +266,7 @@ class MeshClient:
             worker: str | None = None
             # A span per attempt (a child of the caller's current span), ended by its
             # terminal frame, or by _attempt when the attempt is left without one.
-            span = tracing.attempt_span(env, subject or self.subjects.router_generate)
+            span = attempt_span(env, subject or self.subjects.router_generate)
             async with contextlib.aclosing(self._attempt(env, subject, deadline, span)) as stream:
                 async for frame in stream:
                     if span is not None:

@@ -42,8 +42,8 @@ from typing import Any, cast
 import aiohttp
 import orjson
 
-from genmesh.services.worker.engines.base import EngineOutput, TopLogprobs
-from genmesh.services.worker.engines.http import (
+from genmesh.engines.base import EngineOutput, TopLogprobs
+from genmesh.engines.http import (
     HttpEngineBase,
     HttpEngineConfig,
     http_error,
@@ -51,6 +51,7 @@ from genmesh.services.worker.engines.http import (
     sse_events,
     unavailable,
 )
+from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -492,7 +493,7 @@ class VllmEngine(HttpEngineBase):
 
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
-        return tracing.engine_call(self._generate(env), self.name, self.config.url, GENERATE_PATH)
+        return engine_call(self._generate(env), self.name, self.config.url, GENERATE_PATH)
 
     async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         if env.output.routed_experts_start is not None:

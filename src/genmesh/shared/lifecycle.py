@@ -1,0 +1,36 @@
+"""What every genmesh process does the same way: stop on a signal, log to stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.asynccontextmanager
+async def stop_signals() -> AsyncIterator[asyncio.Event]:
+    """An event set by SIGINT, SIGTERM or SIGHUP (a closed terminal). Enter it before
+    announcing readiness, so that a supervisor's early SIGTERM still means a clean stop,
+    not the default instant death."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+
+def configure_logging(level: str, label: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s",
+    )
