@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
 
-from genmesh.client import MIG, MeshClient, request
+from genmesh.client import MIG, MeshClient, MigrationReason, request
 from genmesh.shared import frames
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
@@ -750,7 +750,8 @@ async def test_mig_frames_mark_each_new_attempt(law_mesh: Mesh) -> None:
         assert mig["attempt"] == n + 2
         assert mig["delivered"] == 5 * (n + 1)
         assert mig["from_worker"] == ack["worker"]
-        assert "connection dropped" in mig["reason"]
+        assert mig["reason"] == MigrationReason.RETRYABLE_ERROR
+        assert "connection dropped" in mig["message"]
         assert mig["id"] == migrated[0]["id"]
     assert len({a["worker"] for a in acks}) == 3  # each attempt excludes the failed ones
     # Every attempt has its own ID, so a cancel of a failed one cannot hit its successor.

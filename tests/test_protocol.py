@@ -13,7 +13,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from genmesh.client import MIG, MeshClient, request
+from genmesh.client import MIG, MeshClient, MigrationReason, request
 from genmesh.codecs import get_codec
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
@@ -341,7 +341,8 @@ async def test_a_request_waits_briefly_for_a_router_that_is_reconnecting(
     assert kinds[-3:] == ["ack", "out", "end"], frames
     migs = [f for f in frames if f["t"] == MIG]
     assert 1 <= len(migs) <= 2  # 0.1 s, then 0.3 s after the first refusal
-    assert all(f"nothing is subscribed to {subjects.router_generate}" == m["reason"] for m in migs)
+    assert all(m["reason"] == MigrationReason.NO_ROUTER for m in migs)
+    assert all(f"nothing is subscribed to {subjects.router_generate}" == m["message"] for m in migs)
 
 
 async def test_no_router_at_all_ends_with_no_worker(nats_url: str, namespace: str) -> None:

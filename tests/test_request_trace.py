@@ -20,6 +20,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from genmesh.cli import main as cli_main
+from genmesh.client import MigrationReason
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.records import SCHEMA
 from genmesh.records.check import check, read_records
@@ -119,7 +120,8 @@ SCRIPTS: dict[int, list[Frame]] = {
         {
             "t": "mig",
             "attempt": 2,
-            "reason": "the engine connection dropped",
+            "reason": MigrationReason.RETRYABLE_ERROR,
+            "message": "the engine connection dropped",
             "from_worker": "w1",
             "delivered": 2,
         },

@@ -26,7 +26,7 @@ import aiohttp
 import nats
 import pytest
 
-from genmesh.client import MeshClient, request
+from genmesh.client import MeshClient, MigrationReason, request
 from genmesh.codecs import get_codec
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.services.frontend.serve import start_frontend
@@ -728,11 +728,13 @@ async def test_a_stream_whose_last_frames_were_lost_migrates(
     assert pings[0] == env.id.encode()  # the ping names the attempt
     assert [f["t"] for f in got] == ["ack", "out", "mig", "ack", "end"]
     if still_running:  # alive and running: only the idle timeout ends the wait
-        assert got[2]["reason"] == "no worker sent a frame within 1.5s"
+        assert got[2]["reason"] == MigrationReason.IDLE_TIMEOUT
+        assert got[2]["message"] == "no worker sent a frame within 1.5s"
         assert elapsed >= 1.5
     else:
+        assert got[2]["reason"] == MigrationReason.NOT_RUNNING
         assert (
-            got[2]["reason"]
+            got[2]["message"]
             == "worker wlost no longer runs the request (its last frames were lost)"
         )
         assert got[2]["delivered"] == 1

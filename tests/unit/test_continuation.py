@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genmesh.client import request
+from genmesh.client.migration import attempt_id, continuation
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.merge import Merger, Rebaser, Rule
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.migration import attempt_id, continuation
 
 
 def base(**kwargs: object) -> Envelope:

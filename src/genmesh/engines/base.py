@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from genmesh.shared.envelope import Envelope
-
-# (token_id, logprob) alternatives at one position, best first.
-TopLogprobs = list[tuple[int, float]]
+from genmesh.shared.frames import Finish, TopLogprobs, Usage
 
 
 @dataclass(slots=True)
@@ -30,12 +28,21 @@ class EngineOutput:
     # first output, then one row per token for the token before it.
     routed_experts: list[list[int]] | None = None
     cached_tokens: int | None = None
-    # {"reason": "eos" | "stop" | "length" | "abort", "matched"?: int, "message"?: str}
-    finish: dict[str, Any] | None = None
+    # Why the generation stopped; set on its last output only.
+    finish: Finish | None = None
     # {"prompt_tokens", "completion_tokens", "cached_tokens"}, with `finish`.
-    usage: dict[str, int] | None = None
+    usage: Usage | None = None
     # Engine-native extras passed through to formats untouched.
     engine: dict[str, Any] | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """The `usage` of a last output."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+    }
 
 
 class Engine(Protocol):

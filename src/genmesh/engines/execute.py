@@ -18,13 +18,21 @@ from genmesh.shared.errors import ErrorCode, MeshError
 log = logging.getLogger(__name__)
 
 
-def output_frame(request_id: str, out: EngineOutput) -> frames.Frame:
-    """The `out` frame (or, when `out` carries a finish reason, the `end` frame) for `out`."""
-    frame: frames.Frame = {
-        "t": frames.END if out.finish is not None else frames.OUT,
-        "id": request_id,
-        "tokens": out.tokens,
-    }
+def output_frame(request_id: str, out: EngineOutput) -> frames.OutputFrame:
+    """The `out` frame (or, when `out` carries a finish reason, the `end` frame) for `out`.
+    Its `seq` is a placeholder: the sender numbers frames as it sends them."""
+    frame: frames.OutputFrame
+    if out.finish is None:
+        frame = {"t": frames.OUT, "id": request_id, "seq": 0, "tokens": out.tokens}
+    else:
+        frame = {
+            "t": frames.END,
+            "id": request_id,
+            "seq": 0,
+            "tokens": out.tokens,
+            "finish": out.finish,
+            "usage": out.usage or {},
+        }
     if out.logprobs is not None:
         frame["logprobs"] = out.logprobs
     if out.ranks is not None:
@@ -43,13 +51,12 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.Frame:
         frame["cached_tokens"] = out.cached_tokens
     if out.engine:
         frame["engine"] = out.engine
-    if out.finish is not None:
-        frame["finish"] = out.finish
-        frame["usage"] = out.usage or {}
     return frame
 
 
-async def execute(engine: Engine, envelope: Envelope) -> AsyncGenerator[frames.Frame, None]:
+async def execute(
+    engine: Engine, envelope: Envelope
+) -> AsyncGenerator[frames.OutputFrame | frames.ErrFrame, None]:
     """The frames after the `ack`: `out` frames, then exactly one `end` or `err`.
 
     Engine failures become `err` frames; only cancellation (CancelledError) escapes, and

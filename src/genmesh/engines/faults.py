@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from genmesh.engines.base import Engine, EngineOutput
+from genmesh.engines.base import Engine, EngineOutput, usage
 from genmesh.engines.http import incomplete, unavailable
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -157,7 +157,7 @@ class FaultyEngine:
                     if fault.kind == "abort" and not fault.status and delivered:
                         # A plain abort on decode: the engine stopped the request.
                         out.tokens, out.finish = [], {"reason": "abort", "message": "Aborted"}
-                        out.usage = _usage(len(envelope.token_ids), delivered)
+                        out.usage = usage(len(envelope.token_ids), delivered)
                     else:
                         ended = fault.kind != "hang"
                         await self._fail(fault.kind, fault.status, fault.message)
@@ -188,11 +188,3 @@ class FaultyEngine:
         if status >= 500:  # the engine failed: retryable, as the SGLang adapter says
             raise unavailable(f"engine ended the request (abort): {message}", status_code=status)
         raise MeshError(ErrorCode.INTERNAL, f"engine ended the request (abort): {message}")
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "cached_tokens": 0,
-    }

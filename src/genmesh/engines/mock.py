@@ -17,9 +17,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from genmesh.engines.base import EngineOutput, TopLogprobs
+from genmesh.engines.base import EngineOutput, usage
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.frames import Finish, TopLogprobs
 
 _MASK = (1 << 64) - 1
 # The most top-logprob alternatives the mock reports per position (vLLM's default cap).
@@ -260,7 +261,7 @@ class MockEngine:
                 first.routed_experts = rows
             if budget == 0:
                 first.finish = {"reason": "length"}
-                first.usage = _usage(len(prompt), 0)
+                first.usage = usage(len(prompt), 0)
                 yield first
                 return
 
@@ -295,7 +296,7 @@ class MockEngine:
                 state = advance(state, token)
                 self._active_kv_tokens += 1
                 kv += 1
-                finish = None
+                finish: Finish | None = None
                 if n >= min_tokens and token == eos and not ignore_eos:
                     finish = {"reason": "eos", "matched": token}
                 elif n >= min_tokens and token in stops:
@@ -304,17 +305,9 @@ class MockEngine:
                     finish = {"reason": "length"}
                 if finish is not None:
                     out.finish = finish
-                    out.usage = _usage(len(prompt), n + 1)
+                    out.usage = usage(len(prompt), n + 1)
                     yield out
                     return
                 yield out
         finally:
             self._active_kv_tokens -= kv
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "cached_tokens": 0,
-    }

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from genmesh.engines.base import EngineOutput, TopLogprobs
+from genmesh.engines.base import EngineOutput
 from genmesh.engines.http import (
     HttpEngineBase,
     HttpEngineConfig,
@@ -42,6 +42,7 @@ from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.frames import Finish, TopLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +349,7 @@ def _stop_here(out: EngineOutput, stops: set[int], env: Envelope, delivered: int
     return False
 
 
-def _finish(finish: Any, delivered: int) -> dict[str, Any]:
+def _finish(finish: Any, delivered: int) -> Finish:
     """SGLang's finish reason as genmesh's, or the error it stands for."""
     if not isinstance(finish, dict):
         finish = {"type": str(finish)}

@@ -42,7 +42,7 @@ from typing import Any, cast
 import aiohttp
 import orjson
 
-from genmesh.engines.base import EngineOutput, TopLogprobs
+from genmesh.engines.base import EngineOutput
 from genmesh.engines.http import (
     HttpEngineBase,
     HttpEngineConfig,
@@ -55,6 +55,7 @@ from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.frames import Finish, TopLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def _top_k(candidates: list[tuple[int, float, int | None]], k: int) -> TopLogpro
     return out
 
 
-def _finish(reason: Any, stop_reason: Any) -> dict[str, Any]:
+def _finish(reason: Any, stop_reason: Any) -> Finish:
     """vLLM's finish reason as genmesh's."""
     if reason == "stop":
         # EOS and stop tokens both read "stop"; a stop token names itself in stop_reason.

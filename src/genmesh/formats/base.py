@@ -23,7 +23,7 @@ from typing import Any
 from genmesh.formats.merge import Joiner, Rule
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import MeshError
-from genmesh.shared.frames import Frame
+from genmesh.shared.frames import OutputFrame
 
 Record = dict[str, Any]
 
@@ -64,7 +64,7 @@ class Exchange(ABC):
     """Per-request rendering state: frames in, native records and bodies out."""
 
     @abstractmethod
-    def render(self, index: int, frame: Frame) -> Record:
+    def render(self, index: int, frame: OutputFrame) -> Record:
         """The record of item `index` for one `out` or `end` frame."""
 
     @abstractmethod

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from genmesh.formats.base import Bound, Exchange, GenerateFormat, Record, RequestRejected, Route
 from genmesh.formats.merge import Joiner, Rule
 from genmesh.shared.errors import MeshError
-from genmesh.shared.frames import Frame
+from genmesh.shared.frames import OutputFrame
 
 ENTRY_POINT_GROUP = "genmesh.client_codecs"
 
@@ -47,7 +47,7 @@ class _CodecExchange(Exchange):
         self.inner = inner
         self.codec = codec
 
-    def render(self, index: int, frame: Frame) -> Record:
+    def render(self, index: int, frame: OutputFrame) -> Record:
         return self.codec.encode_record(self.inner.render(index, frame))
 
     def sse(self, index: int, record: Record) -> list[Any]:

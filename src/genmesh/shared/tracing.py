@@ -276,47 +276,48 @@ class FrameSpan:
     token and the finish are events, the token count an attribute, an `err` frame marks it
     ERROR. Ends once."""
 
-    __slots__ = ("_ended", "span", "tokens")
+    __slots__ = ("_ended", "span", "summary")
 
     def __init__(self, span: Span) -> None:
         self.span = span
-        self.tokens = 0
+        self.summary = frames.Summary()
         self._ended = False
 
     def frame(self, frame: frames.Frame) -> None:
         """Note a frame of the stream; a terminal one ends the span."""
+        summary = self.summary
+        tokens = summary.add(frame)
+        if tokens and summary.tokens == len(tokens):
+            self.span.add_event(FIRST_TOKEN)
         kind = frame["t"]
-        if kind == frames.OUT or kind == frames.END:
-            tokens = frame.get("tokens")
-            if tokens:
-                if not self.tokens:
-                    self.span.add_event(FIRST_TOKEN)
-                self.tokens += len(tokens)
-        elif kind == frames.ACK and self.span.is_recording():
-            worker, dispatch = frame.get("worker"), frame.get("dispatch")
-            if isinstance(worker, str) and isinstance(dispatch, str):
+        if kind == frames.ACK and self.span.is_recording():
+            worker, dispatch = summary.worker, summary.dispatch
+            if worker is not None and dispatch is not None:
                 self.span.set_attributes({WORKER: worker, DISPATCH_ID: dispatch})
-        if kind == frames.END or kind == frames.ERR:
-            self.end(frame)
+        elif kind == frames.END or kind == frames.ERR:
+            self.end()
 
     def end(self, last: frames.Frame | None = None, error_type: str | None = None) -> None:
-        """End with the stream's terminal frame, or `error_type` when it had none."""
+        """End the span: with the stream's terminal frame `last` if `frame` has not seen
+        it, or as failed with `error_type` when the stream had no terminal frame."""
         if self._ended:
             return
         self._ended = True
+        summary = self.summary
+        if last is not None and last["t"] in frames.TERMINAL:
+            summary.add(last)
         span = self.span
         if span.is_recording():
-            attributes: dict[str, Any] = {TOKENS_OUTPUT: self.tokens}
-            if last is not None and last["t"] == frames.END:
-                finish = last.get("finish")
-                reason = finish.get("reason") if isinstance(finish, dict) else None
-                if isinstance(reason, str):
-                    attributes[FINISH_REASON] = reason
+            attributes: dict[str, Any] = {TOKENS_OUTPUT: summary.tokens}
+            if summary.finished:
+                if summary.finish_reason is not None:
+                    attributes[FINISH_REASON] = summary.finish_reason
                 span.add_event(FINISH, attributes)
             span.set_attributes(attributes)
-            if last is not None and last["t"] == frames.ERR:
-                fail(span, str(last.get("code")), str(last.get("message") or ""))
-            elif last is None and error_type is not None:
+            if summary.error is not None:
+                error = summary.error
+                fail(span, str(error.get("code")), str(error.get("message") or ""))
+            elif not summary.finished and error_type is not None:
                 fail(span, error_type, error_type)
         span.end()
 

@@ -53,7 +53,7 @@ def join_base64(pieces: list[Any]) -> str:
 JOINERS = {"meta_info.routed_experts": join_base64}
 
 
-def native_finish_reason(finish: dict[str, Any], max_new_tokens: int | None) -> dict[str, Any]:
+def native_finish_reason(finish: frames.Finish, max_new_tokens: int | None) -> dict[str, Any]:
     reason = finish.get("reason")
     if reason in ("eos", "stop"):
         return {"type": "stop", "matched": finish.get("matched")}
@@ -109,10 +109,10 @@ class SglangExchange(Exchange):
             for opts, prompt in zip(options.items, prompts, strict=True)
         ]
 
-    def render(self, index: int, frame: frames.Frame) -> Record:
+    def render(self, index: int, frame: frames.OutputFrame) -> Record:
         item = self.items[index]
         opts = item.opts
-        tokens: list[int] = frame.get("tokens") or []
+        tokens = frame["tokens"]
         item.completion_tokens += len(tokens)
         cached = frame.get("cached_tokens")
         if isinstance(cached, int):
@@ -153,7 +153,7 @@ class SglangExchange(Exchange):
         self.items[index].completion_tokens = 0
 
     @staticmethod
-    def _note_prompt_logprobs(item: _Item, frame: frames.Frame) -> None:
+    def _note_prompt_logprobs(item: _Item, frame: frames.OutputFrame) -> None:
         prompt_lps = frame.get("prompt_logprobs")
         if prompt_lps is None or item.input_logprobs:
             return

@@ -63,7 +63,7 @@ def clamp(logprob: float) -> float:
     return max(float(logprob), MIN_LOGPROB)
 
 
-def finish_reason(finish: dict[str, Any] | None) -> tuple[str | None, int | str | None]:
+def finish_reason(finish: frames.Finish | None) -> tuple[str | None, int | str | None]:
     """vLLM's (finish_reason, stop_reason) for an engine finish."""
     if finish is None:
         return None, None
@@ -105,7 +105,7 @@ def _rank_of(token: int, rank: int | None, top: TopList | None) -> int | None:
     return None
 
 
-def logprob_content(frame: frames.Frame, tokens: list[int], k: int) -> list[dict[str, Any]]:
+def logprob_content(frame: frames.OutputFrame, tokens: list[int], k: int) -> list[dict[str, Any]]:
     """`logprobs.content` entries for the tokens of one frame."""
     lps: list[Any] = frame.get("logprobs") or []
     ranks: list[Any] = frame.get("ranks") or []
@@ -126,7 +126,7 @@ def logprob_content(frame: frames.Frame, tokens: list[int], k: int) -> list[dict
     return content
 
 
-def prompt_logprobs(frame: frames.Frame, prompt: list[int], k: int) -> list[Any]:
+def prompt_logprobs(frame: frames.OutputFrame, prompt: list[int], k: int) -> list[Any]:
     """vLLM's `prompt_logprobs`: one entry per prompt position, entry 0 null; each entry
     maps the prompt token, then its top-k alternatives, to `{logprob, rank,
     decoded_token}`. Lists shorter than the prompt are aligned to its end (positions
@@ -199,10 +199,10 @@ class VllmExchange(Exchange):
         self.prompt = prompt
         self.items = [_Item() for _ in range(count)]
 
-    def render(self, index: int, frame: frames.Frame) -> Record:
+    def render(self, index: int, frame: frames.OutputFrame) -> Record:
         opts = self.options
         item = self.items[index]
-        tokens: list[int] = frame.get("tokens") or []
+        tokens = frame["tokens"]
         item.completion_tokens += len(tokens)
         finish = frame.get("finish") if frame["t"] == frames.END else None
         reason, stop_reason = finish_reason(finish)
@@ -213,7 +213,7 @@ class VllmExchange(Exchange):
         record["stop_reason"] = stop_reason
         counts: dict[str, int] = {"completion_tokens": item.completion_tokens}
         cached = frame.get("cached_tokens")
-        if not isinstance(cached, int):
+        if not isinstance(cached, int) and frame["t"] == frames.END:
             cached = (frame.get("usage") or {}).get("cached_tokens")
         if isinstance(cached, int):
             counts["cached_tokens"] = cached

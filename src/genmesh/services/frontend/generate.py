@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from genmesh.client import MIG
+from genmesh.client import MIG, ClientFrame
 from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
-from genmesh.formats.merge import Merger, Rebaser
+from genmesh.services.frontend.items import ItemRecords
 from genmesh.services.frontend.observers import Observation, RequestInfo
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
@@ -165,7 +165,7 @@ class GenerateHandler:
     def _error_response(
         self,
         exchange: Exchange,
-        frame: frames.Frame,
+        frame: frames.ErrFrame,
         headers: dict[str, str],
         rid: str,
         obs: Observation,
@@ -180,37 +180,34 @@ class GenerateHandler:
 
     async def _unary(
         self,
-        stream: AsyncIterator[tuple[int, frames.Frame]],
+        stream: AsyncIterator[tuple[int, ClientFrame]],
         exchange: Exchange,
         headers: dict[str, str],
         rid: str,
         count: int,
         obs: Observation,
     ) -> web.StreamResponse:
-        mergers = [Merger(self.format.merge_rules, self.format.joiners) for _ in range(count)]
-        attempts = [0] * count
+        items = [ItemRecords(self.format, exchange, i, stream=False) for i in range(count)]
         ended = 0
         async for index, frame in stream:
-            kind = frame["t"]
-            if kind == frames.ERR:
+            if frame["t"] == frames.ERR:
                 # One failed item fails the request; leaving cancels the others.
                 return self._error_response(exchange, frame, headers, rid, obs)
-            if kind == MIG:
-                attempts[index] += 1
-                exchange.new_attempt(index)
-            if kind in (frames.OUT, frames.END):
-                mergers[index].add(exchange.render(index, frame), attempts[index])
-            if kind == frames.END:
-                ended += 1
-                if ended == count:
-                    body = exchange.body([m.result() for m in mergers])
-                    return web.json_response(body, headers=headers, dumps=dumps)
+            if frame["t"] == MIG:
+                items[index].migrated()
+            elif frame["t"] == frames.OUT or frame["t"] == frames.END:
+                items[index].add(frame)
+                if frame["t"] == frames.END:
+                    ended += 1
+                    if ended == count:
+                        body = exchange.body([item.result() for item in items])
+                        return web.json_response(body, headers=headers, dumps=dumps)
         raise AssertionError("reply streams ended without their terminal frames")
 
     async def _stream(
         self,
         request: web.Request,
-        stream: AsyncIterator[tuple[int, frames.Frame]],
+        stream: AsyncIterator[tuple[int, ClientFrame]],
         exchange: Exchange,
         headers: dict[str, str],
         rid: str,
@@ -218,35 +215,30 @@ class GenerateHandler:
         obs: Observation,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        # Each SSE record says what an uninterrupted run would: migrations are rebased.
-        rebasers = [Rebaser(self.format.merge_rules) for _ in range(count)]
-        attempts = [0] * count
+        items = [ItemRecords(self.format, exchange, i, stream=True) for i in range(count)]
         ended = 0
         async for index, frame in stream:
-            kind = frame["t"]
-            if kind == MIG:
-                attempts[index] += 1
-                exchange.new_attempt(index)
+            if frame["t"] == MIG:
+                items[index].migrated()
                 continue
-            if kind == frames.ACK:
+            if frame["t"] == frames.ACK:
                 continue
             if response is None:
                 # The status is committed only now, so errors before any output keep theirs.
-                if kind == frames.ERR:
+                if frame["t"] == frames.ERR:
                     return self._error_response(exchange, frame, headers, rid, obs)
                 response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
                 await response.prepare(request)
-            if kind == frames.KA:
+            if frame["t"] == frames.KA:
                 await response.write(SSE_KEEPALIVE)
-            elif kind == frames.ERR:
+            elif frame["t"] == frames.ERR:
                 status, error = self._failure(frames.error_of(frame), rid, headers["x-request-id"])
                 obs.error_type = error.code.value
                 await response.write(sse_event([exchange.error(error, status)]) + SSE_DONE)
                 break
             else:
-                record = rebasers[index].rebase(exchange.render(index, frame), attempts[index])
-                data = sse_event(exchange.sse(index, record))
-                if kind == frames.END:
+                data = sse_event(exchange.sse(index, items[index].record(frame)))
+                if frame["t"] == frames.END:
                     ended += 1
                     if ended == count:
                         await response.write(data + sse_event(exchange.sse_end()) + SSE_DONE)
@@ -258,8 +250,8 @@ class GenerateHandler:
 
 
 async def interleave(
-    streams: list[AsyncGenerator[frames.Frame, None]],
-) -> AsyncGenerator[tuple[int, frames.Frame], None]:
+    streams: list[AsyncGenerator[ClientFrame, None]],
+) -> AsyncGenerator[tuple[int, ClientFrame], None]:
     """Frames of several streams as they arrive, tagged with their stream's index. Closing
     this closes every stream (each cancels its request if it has not ended)."""
     if len(streams) == 1:
@@ -267,9 +259,9 @@ async def interleave(
             async for frame in only:
                 yield 0, frame
         return
-    queue: asyncio.Queue[tuple[int, frames.Frame | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, ClientFrame | None]] = asyncio.Queue()
 
-    async def pump(index: int, source: AsyncGenerator[frames.Frame, None]) -> None:
+    async def pump(index: int, source: AsyncGenerator[ClientFrame, None]) -> None:
         async with contextlib.aclosing(source):
             async for frame in source:
                 queue.put_nowait((index, frame))
@@ -291,8 +283,8 @@ async def interleave(
 
 
 async def observed(
-    stream: AsyncGenerator[tuple[int, frames.Frame], None], obs: Observation
-) -> AsyncGenerator[tuple[int, frames.Frame], None]:
+    stream: AsyncGenerator[tuple[int, ClientFrame], None], obs: Observation
+) -> AsyncGenerator[tuple[int, ClientFrame], None]:
     """`stream`, with every frame shown to the request's observers on the way."""
     async with contextlib.aclosing(stream):
         async for index, frame in stream:

@@ -1,4 +1,4 @@
-"""The frontend's Prometheus metrics: an Observer (observe.py) of every generate request.
+"""The frontend's Prometheus metrics: an Observer (observers.py) of every generate request.
 
 What each metric means, its labels and buckets: docs/observability.md, "Metrics". The
 per-frame path is a branch on the frame type, one clock reading and one histogram
@@ -11,7 +11,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from genmesh.client import MIG
+from genmesh.client import MIG, ClientFrame, MigrationReason
 from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode
@@ -37,38 +37,31 @@ DURATION_BUCKETS = (
 # Sequence lengths in tokens: powers of two, 1 to 128 Ki.
 TOKEN_BUCKETS = tuple(float(1 << i) for i in range(18))
 
-# The fixed label values of migrations_total{reason}, from the `mig` frame's reason text.
+# The label values of migrations_total{reason}: the causes of a migration, grouped.
 # A silent worker failed its ping: nobody answers on its ping subject (it died), or it
 # answers that it no longer runs the request (the stream's last frames were lost).
 MIGRATION_PING = "ping"
 MIGRATION_LEFT_DISCOVERY = "left_discovery"  # discovery dropped the worker (left, or expired)
 MIGRATION_TIMEOUT = "timeout"  # no ack within --ack-timeout, or silence past --idle-timeout
-MIGRATION_ERROR = "retryable_error"  # the worker or engine answered a retryable error
-MIGRATION_REASONS = (
-    MIGRATION_PING,
-    MIGRATION_LEFT_DISCOVERY,
-    MIGRATION_TIMEOUT,
-    MIGRATION_ERROR,
-)
+# The mesh answered a retryable error, or the stream broke otherwise (no router, lost
+# frames, a failed publish).
+MIGRATION_ERROR = "retryable_error"
+MIGRATION_LABELS: dict[MigrationReason, str] = {
+    MigrationReason.WORKER_GONE: MIGRATION_PING,
+    MigrationReason.NOT_RUNNING: MIGRATION_PING,
+    MigrationReason.LEFT_DISCOVERY: MIGRATION_LEFT_DISCOVERY,
+    MigrationReason.ACK_TIMEOUT: MIGRATION_TIMEOUT,
+    MigrationReason.IDLE_TIMEOUT: MIGRATION_TIMEOUT,
+    MigrationReason.RETRYABLE_ERROR: MIGRATION_ERROR,
+    MigrationReason.NO_ROUTER: MIGRATION_ERROR,
+    MigrationReason.PUBLISH_FAILED: MIGRATION_ERROR,
+    MigrationReason.FRAMES_LOST: MIGRATION_ERROR,
+}
+MIGRATION_REASONS = tuple(dict.fromkeys(MIGRATION_LABELS.values()))
 
 # The clock of arrival times (RequestInfo.received_at); a module global so tests can set it.
 _now = time.monotonic
-_OUT = frames.OUT
-_END = frames.END
-_ERR = frames.ERR
 _CANCELLED = ErrorCode.CANCELLED.value
-
-
-def migration_reason(reason: object) -> str:
-    """The label for a `mig` frame's reason text (`genmesh.client.MeshClient`'s messages)."""
-    text = str(reason or "")
-    if "has no responders" in text or "no longer runs the request" in text:
-        return MIGRATION_PING
-    if "left the mesh" in text:
-        return MIGRATION_LEFT_DISCOVERY
-    if text.startswith("no worker ") and " within " in text:
-        return MIGRATION_TIMEOUT
-    return MIGRATION_ERROR
 
 
 class _Route:
@@ -177,7 +170,9 @@ class FrontendMetrics:
             "Requests whose client went away before the response was complete (499)",
             registry=r,
         )
-        self._migrations = {reason: self.migrations.labels(reason) for reason in MIGRATION_REASONS}
+        self.migrations_by_label = {
+            label: self.migrations.labels(label) for label in MIGRATION_REASONS
+        }
         self._routes: dict[tuple[str, str], _Route] = {}
         self._outcomes: dict[tuple[str, str, int, str], Counter] = {}
 
@@ -204,10 +199,10 @@ class RequestMetrics:
 
     __slots__ = (
         "_first_token",
+        "_items",
         "_last_token_at",
         "_mesh_cancelled",
         "_metrics",
-        "_outputs",
         "_route",
         "info",
     )
@@ -218,18 +213,18 @@ class RequestMetrics:
         self._route = metrics.route(info.format, info.endpoint)
         self._route.inflight.inc()
         self._first_token = False
-        # Per generation: when its last token arrived (0.0: none yet); its tokens so far.
-        # Empty until dispatched.
+        # Per generation: what its frames said; when its last token arrived (0.0: none
+        # yet). Empty until dispatched.
+        self._items: list[frames.Summary] = []
         self._last_token_at: list[float] = []
-        self._outputs: list[int] = []
         # An `err cancelled` reached us: the mesh cancelled it, not a departing client.
         self._mesh_cancelled = False
 
     def dispatched(self, info: RequestInfo) -> None:
         route = self._route
         count = len(info.items)
+        self._items = [frames.Summary() for _ in range(count)]
         self._last_token_at = [0.0] * count
-        self._outputs = [0] * count
         prompt_tokens = 0
         for item in info.items:
             length = len(item.token_ids)
@@ -237,37 +232,36 @@ class RequestMetrics:
             route.input_tokens.observe(length)
         route.input_tokens_total.inc(prompt_tokens)
 
-    def frame(self, index: int, frame: frames.Frame) -> None:
-        kind = frame["t"]
-        if kind in (_OUT, _END):
-            tokens = frame.get("tokens")
-            if tokens:
-                count = len(tokens)
-                now = _now()
-                route = self._route
-                previous = self._last_token_at[index]
-                if previous:
-                    gap = (now - previous) / count
-                    for _ in range(count):
-                        route.itl.observe(gap)
-                elif not self._first_token:
-                    self._first_token = True
-                    route.ttft.observe(now - self.info.received_at)
-                self._last_token_at[index] = now
-                self._outputs[index] += count
-                route.output_tokens_total.value += count
-            if kind == _END:
-                self._route.output_tokens.observe(self._outputs[index])
-        elif kind == MIG:
-            self._metrics._migrations[migration_reason(frame.get("reason"))].inc()
-        elif kind == _ERR and frame.get("code") == _CANCELLED:
+    def frame(self, index: int, frame: ClientFrame) -> None:
+        if frame["t"] == MIG:
+            self._metrics.migrations_by_label[MIGRATION_LABELS[frame["reason"]]].inc()
+            return
+        summary = self._items[index]
+        tokens = summary.add(frame)
+        if tokens:
+            count = len(tokens)
+            now = _now()
+            route = self._route
+            previous = self._last_token_at[index]
+            if previous:
+                gap = (now - previous) / count
+                for _ in range(count):
+                    route.itl.observe(gap)
+            elif not self._first_token:
+                self._first_token = True
+                route.ttft.observe(now - self.info.received_at)
+            self._last_token_at[index] = now
+            route.output_tokens_total.value += count
+        if frame["t"] == frames.END:
+            self._route.output_tokens.observe(summary.tokens)
+        elif frame["t"] == frames.ERR and frame["code"] == _CANCELLED:
             self._mesh_cancelled = True
 
     def finished(self, status: int, error_type: str | None) -> None:
         metrics, route = self._metrics, self._route
         route.inflight.dec()
         metrics.outcome(self.info.format, self.info.endpoint, status, error_type).inc()
-        if self._last_token_at:  # dispatched
+        if self._items:  # dispatched
             route.duration.observe(_now() - self.info.received_at)
         if error_type == _CANCELLED:
             metrics.cancellations.inc()

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from genmesh.client import ClientFrame
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.frames import Frame
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class RequestObserver(Protocol):
         """The items are about to be dispatched (their IDs and envelopes are final)."""
         ...
 
-    def frame(self, index: int, frame: Frame) -> None:
+    def frame(self, index: int, frame: ClientFrame) -> None:
         """A reply frame of item `index` (ack, out, ka, end, err, or the client's mig)."""
         ...
 
@@ -73,7 +73,7 @@ class Observation:
         for observer in self.observers:
             observer.dispatched(self.info)
 
-    def frame(self, index: int, frame: Frame) -> None:
+    def frame(self, index: int, frame: ClientFrame) -> None:
         for observer in self.observers:
             observer.frame(index, frame)
 

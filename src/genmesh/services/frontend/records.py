@@ -19,17 +19,17 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from nats.aio.client import Client
 
+from genmesh.client import MIG, ClientFrame
+from genmesh.client.migration import attempt_id
 from genmesh.records import SCHEMA
 from genmesh.records.hashing import ALGORITHM, DEFAULT_BLOCK_SIZE, block_hashes, output_hash
 from genmesh.records.sinks import DEFAULT_ROLL_MB, FileSink, NatsSink, Record, Sink, dump
 from genmesh.services.frontend.observers import RequestInfo
+from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.frames import Frame
-from genmesh.shared.migration import attempt_id
 
 log = logging.getLogger(__name__)
 
@@ -138,19 +138,35 @@ class RequestRecords:
             sink.emit(line)
 
 
+class _Attempt:
+    """One dispatch of a generation, as its record lists it."""
+
+    __slots__ = ("dispatch", "first_token", "number", "reason", "worker")
+
+    def __init__(self, number: int, first_token: int) -> None:
+        self.number = number
+        self.worker: str | None = None  # from its ack
+        self.dispatch: str | None = None
+        self.first_token = first_token  # index of its first token in the generation's
+        self.reason: str | None = None  # why it failed, if the generation moved on
+
+
 class _Item:
     """What one generation's frames said."""
 
-    __slots__ = ("attempts", "cached", "envelope", "error", "finish", "tokens")
+    __slots__ = ("attempts", "cached", "envelope", "summary")
 
     def __init__(self, envelope: Envelope) -> None:
         self.envelope = envelope
-        self.tokens: list[int] = []
-        # One per dispatch attempt: [attempt, worker, dispatch, first token index, reason]
-        self.attempts: list[list[Any]] = [[1, None, None, 0, None]]
+        self.summary = frames.Summary(keep_tokens=True)
+        self.attempts = [_Attempt(1, 0)]
+        # The prompt-cache figure of the first attempt (later ones see a longer prompt),
+        # fixed at the first migration.
         self.cached: int | None = None
-        self.finish: str | None = None
-        self.error: tuple[str, str] | None = None  # (code, message)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self.summary.cached_tokens if len(self.attempts) == 1 else self.cached
 
 
 class RequestRecording:
@@ -167,37 +183,20 @@ class RequestRecording:
     def dispatched(self, info: RequestInfo) -> None:
         self.items = [_Item(envelope) for envelope in info.items]
 
-    def frame(self, index: int, frame: Frame) -> None:
+    def frame(self, index: int, frame: ClientFrame) -> None:
         try:
             item = self.items[index]
-            kind = frame["t"]
-            if kind == "out" or kind == "end":
-                tokens = frame.get("tokens")
-                if tokens:
-                    item.tokens.extend(tokens)
-                    if self.first_token is None:
-                        self.first_token = time.monotonic()
-                if item.cached is None and len(item.attempts) == 1:
-                    cached = frame.get("cached_tokens")
-                    if cached is None and kind == "end":
-                        cached = (frame.get("usage") or {}).get("cached_tokens")
-                    if isinstance(cached, int):
-                        item.cached = cached
-                if kind == "end":
-                    finish = frame.get("finish")
-                    reason = finish.get("reason") if isinstance(finish, dict) else None
-                    item.finish = reason if isinstance(reason, str) else "unknown"
-            elif kind == "ack":
-                attempt = item.attempts[-1]
-                attempt[1] = frame.get("worker")
-                attempt[2] = frame.get("dispatch")
-            elif kind == "err":
-                item.error = (str(frame.get("code")), str(frame.get("message") or ""))
-            elif kind == "mig":
-                item.attempts[-1][4] = str(frame.get("reason") or "")
-                attempt_no = frame.get("attempt")
-                number = attempt_no if isinstance(attempt_no, int) else len(item.attempts) + 1
-                item.attempts.append([number, None, None, len(item.tokens), None])
+            if frame["t"] == MIG:
+                if len(item.attempts) == 1:
+                    item.cached = item.summary.cached_tokens
+                item.attempts[-1].reason = frame["message"]
+                item.attempts.append(_Attempt(frame["attempt"], item.summary.tokens))
+                return
+            if item.summary.add(frame) and self.first_token is None:
+                self.first_token = time.monotonic()
+            if frame["t"] == frames.ACK:
+                item.attempts[-1].worker = item.summary.worker
+                item.attempts[-1].dispatch = item.summary.dispatch
         except Exception:  # a record must never break a request
             log.exception("request records: frame of item %d not recorded", index)
 
@@ -223,27 +222,33 @@ class RequestRecording:
             hashes = hashes_of.get(id(prompt))
             if hashes is None:
                 hashes = hashes_of[id(prompt)] = block_hashes(prompt, owner.block_size)
-            tokens = item.tokens
+            summary = item.summary
+            tokens = summary.token_ids or []
             attempts = []
             workers: list[str] = []
-            for i, (number, worker, dispatch, start, reason) in enumerate(item.attempts):
-                end = item.attempts[i + 1][3] if i + 1 < len(item.attempts) else len(tokens)
+            for i, at in enumerate(item.attempts):
+                following = item.attempts[i + 1] if i + 1 < len(item.attempts) else None
+                end = len(tokens) if following is None else following.first_token
                 attempt: Record = {
-                    "attempt": number,
-                    "private_id": attempt_id(envelope.id, number),
-                    "worker": worker,
-                    "dispatch": dispatch,
-                    "output_tokens": end - start,
+                    "attempt": at.number,
+                    "private_id": attempt_id(envelope.id, at.number),
+                    "worker": at.worker,
+                    "dispatch": at.dispatch,
+                    "output_tokens": end - at.first_token,
                 }
-                if reason is not None:
-                    attempt["migration_reason"] = reason
+                if at.reason is not None:
+                    attempt["migration_reason"] = at.reason
                 attempts.append(attempt)
-                if worker is not None and worker not in workers:
-                    workers.append(worker)
-            if item.finish is not None:
+                if at.worker is not None and at.worker not in workers:
+                    workers.append(at.worker)
+            finish = (summary.finish_reason or "unknown") if summary.finished else None
+            item_error: str | None
+            message: str | None
+            if finish is not None:
                 item_error, message = None, None
-            elif item.error is not None:
-                item_error, message = item.error
+            elif summary.error is not None:
+                item_error = str(summary.error.get("code"))
+                message = str(summary.error.get("message") or "")
             else:  # the handler closed its stream: client gone, another item failed, ...
                 item_error, message = CANCELLED, None
             entry: Record = {
@@ -256,9 +261,9 @@ class RequestRecording:
                 "attempts": attempts,
                 "output_tokens": len(tokens),
                 "output_hash": output_hash(tokens),
-                "finish_reason": item.finish,
+                "finish_reason": finish,
                 "error_type": item_error,
-                "cached_tokens": item.cached,
+                "cached_tokens": item.cached_tokens,
             }
             if message:
                 entry["error_message"] = message
@@ -267,7 +272,7 @@ class RequestRecording:
                 payload_items.append({"prompt_token_ids": prompt, "output_token_ids": tokens})
             total_in += len(prompt)
             total_out += len(tokens)
-            total_cached += item.cached or 0
+            total_cached += item.cached_tokens or 0
             total_attempts += len(attempts)
         record: Record = {
             "schema": SCHEMA,

@@ -13,18 +13,17 @@ from typing import Any, Protocol
 
 from nats.aio.client import Client
 
-from genmesh.client import MeshClient
+from genmesh.client import ClientFrame, MeshClient
 from genmesh.services.frontend.observers import Observer
 from genmesh.shared.bus import drain_or_close
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.frames import Frame
 
 
 class Backend(Protocol):
     def generate(
         self, envelope: Envelope, *, no_migration: str | None = None
-    ) -> AsyncGenerator[Frame, None]:
+    ) -> AsyncGenerator[ClientFrame, None]:
         """Reply frames of one request, ending with exactly one `end` or `err` frame;
         `mig` frames mark a move to another worker (`no_migration`: why it must not)."""
         ...
@@ -49,7 +48,7 @@ class MeshBackend:
 
     def generate(
         self, envelope: Envelope, *, no_migration: str | None = None
-    ) -> AsyncGenerator[Frame, None]:
+    ) -> AsyncGenerator[ClientFrame, None]:
         return self.client.generate(envelope, no_migration=no_migration)
 
     def not_ready_reason(self) -> str | None:

@@ -1,4 +1,4 @@
-"""The frontend's part of a request's trace, as an observer (observe.py).
+"""The frontend's part of a request's trace, as an observer (observers.py).
 
 Each HTTP request gets a SERVER span, a child of the caller's `traceparent` if it sent one.
 The span is made current in the handler's task from `request()` to `finished()` (the
@@ -14,7 +14,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from genmesh.client import MIG
+from genmesh.client import MIG, ClientFrame
 from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared import frames, tracing
 from genmesh.shared.errors import ErrorCode
@@ -49,17 +49,21 @@ class RequestTrace:
                     tracing.FORMAT: info.format,
                 }
             )
+        # What each generation's frames said; the request's output tokens so far.
+        self.items: list[frames.Summary] = []
         self.tokens = 0
-        self.items = 1
         # Detached in finished(), which the handler calls in this same task.
         self._token = otel_context.attach(trace.set_span_in_context(self.span, parent))
 
     def dispatched(self, info: RequestInfo) -> None:
-        self.items = len(info.items)
+        self.items = [frames.Summary() for _ in info.items]
         span = self.span
         if not span.is_recording():
             return
-        attributes: dict[str, Any] = {"genmesh.stream": info.stream, "genmesh.items": self.items}
+        attributes: dict[str, Any] = {
+            "genmesh.stream": info.stream,
+            "genmesh.items": len(self.items),
+        }
         if info.items:
             attributes[tracing.REQUEST_ID] = info.items[0].id
         if info.public_id is not None:
@@ -68,34 +72,36 @@ class RequestTrace:
             attributes[tracing.CLIENT_ID] = info.client_id
         span.set_attributes(attributes)
 
-    def frame(self, index: int, frame: frames.Frame) -> None:
-        kind = frame["t"]
-        if kind == frames.OUT or kind == frames.END:
-            tokens = frame.get("tokens")
-            if tokens:
-                if not self.tokens:
-                    self.span.add_event(tracing.FIRST_TOKEN)
-                self.tokens += len(tokens)
-            if kind == frames.END and self.span.is_recording():
-                finish = frame.get("finish")
-                reason = finish.get("reason") if isinstance(finish, dict) else None
-                attributes: dict[str, Any] = {"genmesh.item": index}
-                if isinstance(reason, str):
-                    attributes[tracing.FINISH_REASON] = reason
-                    if self.items == 1:
-                        self.span.set_attribute(tracing.FINISH_REASON, reason)
-                self.span.add_event(tracing.FINISH, attributes)
-        elif kind == MIG and self.span.is_recording():
-            self.span.add_event(
-                MIGRATION,
-                {
-                    "genmesh.item": index,
-                    tracing.ATTEMPT: int(frame.get("attempt") or 0),
-                    "genmesh.reason": str(frame.get("reason") or ""),
-                    "genmesh.from_worker": str(frame.get("from_worker") or ""),
-                    "genmesh.delivered": int(frame.get("delivered") or 0),
-                },
-            )
+    def frame(self, index: int, frame: ClientFrame) -> None:
+        span = self.span
+        if frame["t"] == MIG:
+            if span.is_recording():
+                span.add_event(
+                    MIGRATION,
+                    {
+                        "genmesh.item": index,
+                        tracing.ATTEMPT: frame["attempt"],
+                        "genmesh.reason": frame["message"],
+                        "genmesh.migration.cause": str(frame["reason"]),
+                        "genmesh.from_worker": frame["from_worker"] or "",
+                        "genmesh.delivered": frame["delivered"],
+                    },
+                )
+            return
+        summary = self.items[index]
+        tokens = summary.add(frame)
+        if tokens:
+            if not self.tokens:
+                span.add_event(tracing.FIRST_TOKEN)
+            self.tokens += len(tokens)
+        if frame["t"] == frames.END and span.is_recording():
+            attributes: dict[str, Any] = {"genmesh.item": index}
+            reason = summary.finish_reason
+            if reason is not None:
+                attributes[tracing.FINISH_REASON] = reason
+                if len(self.items) == 1:
+                    span.set_attribute(tracing.FINISH_REASON, reason)
+            span.add_event(tracing.FINISH, attributes)
 
     def finished(self, status: int, error_type: str | None) -> None:
         span = self.span

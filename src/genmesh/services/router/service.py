@@ -8,27 +8,21 @@ exactly one of them, and any of them can fail without losing the subject.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
+from types import TracebackType
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
-from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
+from genmesh.codecs import get_codec
 from genmesh.services.router import tracing as router_tracing
 from genmesh.services.router.policies import Policy, make_policy
-from genmesh.shared import frames
-from genmesh.shared.bus import (
-    STREAM_TERMINATOR,
-    check_subscriptions,
-    codec_headers,
-    message_codec,
-    publish,
-    unsubscribe_quietly,
-)
+from genmesh.shared.bus import check_subscriptions, publish, unsubscribe_quietly
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
-from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
+from genmesh.shared.endpoint import EnvelopeEndpoint, Request
+from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
 from genmesh.shared.tasks import TaskOwner
@@ -51,25 +45,38 @@ class Router:
         self.router_id = router_id
         self.policy: Policy = make_policy(policy)
         self.directory = WorkerDirectory(nc, subjects)
+        self.endpoint = EnvelopeEndpoint(
+            nc, subjects.router_generate, self._route, queue=ROUTER_QUEUE_GROUP
+        )
         self.decisions: Counter[str] = Counter()
         # The free eligible workers of the last choice (for its trace span).
         self.last_candidates: list[WorkerInfo] = []
-        # By error code; read with `decisions` by services/router/metrics.py.
-        self.rejections: Counter[str] = Counter()
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._subs: list[Subscription] = []
         self._tasks = TaskOwner(f"router {router_id}")
+        # What start() set up, undone in reverse order by stop().
+        self._running = contextlib.AsyncExitStack()
+
+    @property
+    def rejections(self) -> Counter[str]:
+        """Requests this router answered with an error itself, by error code (read with
+        `decisions` by services/router/metrics.py)."""
+        return self.endpoint.rejections
 
     async def start(self) -> None:
-        await self.directory.start()
-        self._subs = [
-            await self.nc.subscribe(
-                self.subjects.router_generate, queue=ROUTER_QUEUE_GROUP, cb=self._on_request
-            ),
-            await self.nc.subscribe(self.subjects.query, cb=self._on_query),
-        ]
-        await check_subscriptions(self.nc, *self._subs)
-        self._presence = self._tasks.spawn(self._presence_loop(), name="presence")
+        async with contextlib.AsyncExitStack() as stack:
+            await self.directory.start()
+            stack.push_async_callback(self.directory.close)
+            subs = [
+                await self.endpoint.subscribe(),
+                await self.nc.subscribe(self.subjects.query, cb=self._on_query),
+            ]
+            for sub in subs:
+                stack.push_async_callback(unsubscribe_quietly, sub)
+            await check_subscriptions(self.nc, *subs)
+            stack.push_async_callback(self._leave)
+            stack.push_async_callback(self._tasks.close)
+            self._tasks.spawn(self._presence_loop(), name="presence")
+            self._running = stack.pop_all()
         log.info(
             "router %s on %s (policy %s)",
             self.router_id,
@@ -78,14 +85,20 @@ class Router:
         )
 
     async def stop(self) -> None:
-        await self._tasks.close()
-        try:
-            await self._announce(leaving=True)
-        except Exception as exc:  # NATS may already be gone
-            log.debug("could not announce leave: %s", exc)
-        for sub in self._subs:
-            await unsubscribe_quietly(sub)
-        await self.directory.close()
+        """Stop the presence heartbeat, announce the leave, unsubscribe, stop discovery."""
+        await self._running.aclose()
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
 
     async def _announce(self, *, leaving: bool = False) -> None:
         presence = {
@@ -95,6 +108,12 @@ class Router:
             "leaving": leaving,
         }
         await publish(self.nc, self.subjects.router_presence, get_codec(None), presence)
+
+    async def _leave(self) -> None:
+        try:
+            await self._announce(leaving=True)
+        except Exception as exc:  # NATS may already be gone
+            log.debug("could not announce leave: %s", exc)
 
     async def _presence_loop(self) -> None:
         while True:
@@ -157,27 +176,9 @@ class Router:
         self.last_candidates = free
         return self.policy.choose(free)
 
-    async def _on_request(self, msg: Msg) -> None:
-        try:
-            codec = message_codec(msg)
-        except UnknownCodecError as exc:
-            error = MeshError(ErrorCode.UNKNOWN_CODEC, str(exc))
-            await self._reject(msg, get_codec("json"), None, error)
-            return
-        try:
-            obj = codec.decode(msg.data)
-        except CodecError as exc:
-            await self._reject(msg, codec, None, MeshError(ErrorCode.BAD_ENVELOPE, str(exc)))
-            return
-        try:
-            envelope = Envelope.from_wire(obj)
-        except EnvelopeError as exc:
-            error = MeshError(ErrorCode.BAD_ENVELOPE, str(exc))
-            await self._reject(msg, codec, peek_id(obj), error)
-            return
-        if not msg.reply:
-            log.warning("request %s has no reply subject; dropped", envelope.id)
-            return
+    async def _route(self, request: Request) -> None:
+        """Forward `request` to the worker `choose` picks, or raise why there is none."""
+        msg, envelope = request.msg, request.envelope
         span = router_tracing.router_span(
             msg.headers, self.subjects.router_generate, envelope, self.policy.name, self.router_id
         )
@@ -185,8 +186,7 @@ class Router:
             worker = self.choose(envelope)
         except MeshError as exc:
             router_tracing.rejected(span, exc.code, exc.message)
-            await self._reject(msg, codec, envelope.id, exc)
-            return
+            raise
         self.directory.note_sent(worker)
         self.decisions[worker.id] += 1
         # The original bytes and headers (codec) go on untouched, but for the trace context:
@@ -195,15 +195,3 @@ class Router:
         if span is not None:
             headers = router_tracing.routed(span, worker, self.last_candidates, headers)
         await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=headers)
-
-    async def _reject(self, msg: Msg, codec: Codec, rid: str | None, error: MeshError) -> None:
-        log.info("request %s not routed: %s: %s", rid, error.code.value, error.message)
-        self.rejections[error.code.value] += 1
-        if not msg.reply:
-            return
-        frame = frames.err(rid, 0, error)
-        try:
-            await self.nc.publish(msg.reply, codec.encode(frame), headers=codec_headers(codec))
-            await self.nc.publish(msg.reply, STREAM_TERMINATOR)
-        except Exception as exc:
-            log.warning("could not send routing error for %s: %s", rid, exc)

@@ -1,18 +1,22 @@
 """The worker: admits requests from NATS, runs them on its engine, streams frames back.
 
 The NATS callbacks only decode, admit and spawn (nats-py runs one callback at a time per
-subscription), so a long generation never holds up the next request or a cancel.
+subscription), so a long generation never holds up the next request or a cancel. Decoding
+and refusals are the shared endpoint's (`genmesh.shared.endpoint`); what is the worker's
+own is admission, the requests it runs, cancels, pings, discovery and the drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 from nats.aio.client import Client
@@ -34,7 +38,8 @@ from genmesh.shared.bus import (
     publish,
     unsubscribe_quietly,
 )
-from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
+from genmesh.shared.endpoint import EnvelopeEndpoint, Request
+from genmesh.shared.envelope import Envelope, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.subjects import Subjects
@@ -88,10 +93,14 @@ class Worker:
         self.engine = engine
         self.config = config
         self.subject = subjects.worker_generate(config.worker_id)
+        self.endpoint = EnvelopeEndpoint(
+            nc, self.subject, self._admit, on_reject=self._rejection_span
+        )
         self._active: dict[str, _Active] = {}
         self._tombstones: OrderedDict[str, float] = OrderedDict()
-        self._subs: list[Subscription] = []
         self._tasks = TaskOwner(f"worker {config.worker_id}")
+        # What start() set up, undone in reverse order by stop().
+        self._running = contextlib.AsyncExitStack()
         self._load_changed = asyncio.Event()
         self._announcer: asyncio.Task[None] | None = None
         self._started = time.time()
@@ -99,8 +108,8 @@ class Worker:
         # Announced only while the engine is healthy: a worker without an engine is no worker.
         self._engine_up = False
         self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
-        # For metrics (services/worker/metrics.py): every refusal, engine aborts and errors.
-        self.rejections = 0
+        # For metrics (services/worker/metrics.py): engine aborts and errors; refusals are
+        # the endpoint's `rejections`.
         self.aborts = 0
         self.engine_errors: Counter[str] = Counter()
 
@@ -121,32 +130,66 @@ class Worker:
     def engine_up(self) -> bool:
         return self._engine_up
 
+    @property
+    def rejections(self) -> int:
+        """Requests refused before admission, whatever the reason."""
+        return sum(self.endpoint.rejections.values())
+
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        await self.engine.start()
-        self._engine_up = await self._engine_healthy()
-        if not self._engine_up:
-            log.warning("worker %s: waiting for its %s engine", self.worker_id, self.engine.name)
-        on_generate = self._on_generate if tracing.tracer() is None else self._on_generate_traced
-        on_publish_denied(self.nc, self._on_publish_denied)
-        self._subs = [
-            await self.nc.subscribe(self.subject, cb=on_generate),
-            await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
-            await self.nc.subscribe(self.subjects.query, cb=self._on_query),
-            await self.nc.subscribe(self.subjects.worker_ping(self.worker_id), cb=self._on_ping),
-        ]
-        await check_subscriptions(self.nc, *self._subs)
-        self._announcer = self._tasks.spawn(self._announce_loop(), name="announce")
-        self._tasks.spawn(self._keepalive_loop(), name="keepalive")
-        self._tasks.spawn(self._health_loop(), name="engine health")
+        async with contextlib.AsyncExitStack() as stack:
+            await self.engine.start()
+            stack.push_async_callback(self.engine.close)
+            self._engine_up = await self._engine_healthy()
+            if not self._engine_up:
+                log.warning(
+                    "worker %s: waiting for its %s engine", self.worker_id, self.engine.name
+                )
+            stack.push_async_callback(self._tasks.close)
+            on_publish_denied(self.nc, self._on_publish_denied)
+            subs = [
+                await self.endpoint.subscribe(),
+                await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
+                await self.nc.subscribe(self.subjects.query, cb=self._on_query),
+                await self.nc.subscribe(
+                    self.subjects.worker_ping(self.worker_id), cb=self._on_ping
+                ),
+            ]
+            stack.push_async_callback(_unsubscribe_all, subs)
+            await check_subscriptions(self.nc, *subs)
+            # Still subscribed while draining: a request a router forwarded before it saw
+            # the leave is refused as retryable (it migrates) rather than meeting no
+            # responders.
+            stack.push_async_callback(self._drain)
+            self._announcer = self._tasks.spawn(self._announce_loop(), name="announce")
+            self._tasks.spawn(self._keepalive_loop(), name="keepalive")
+            self._tasks.spawn(self._health_loop(), name="engine health")
+            self._running = stack.pop_all()
         log.info("worker %s serving %s on %s", self.worker_id, self.engine.name, self.subject)
 
     async def stop(self) -> None:
-        """Drain: leave discovery, stop admitting, let what is in flight finish for up to
-        `drain_timeout_s`, hand the rest back as retryable (they migrate), then close."""
+        """Drain (see `_drain`), unsubscribe, stop the background tasks, close the engine."""
         if self._stopping:
             return
+        self._stopping = True
+        await self._running.aclose()
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def _drain(self) -> None:
+        """Leave discovery, stop admitting, let what is in flight finish for up to
+        `drain_timeout_s`, then hand the rest back as retryable (they migrate)."""
         self._stopping = True
         if self._announcer is not None:
             # No heartbeat may follow the leave, or routers would take us back.
@@ -154,8 +197,6 @@ class Worker:
             await asyncio.gather(self._announcer, return_exceptions=True)
         # Marked as a drain: requesters keep their streams here, which end or come back.
         await self._leave(draining=True)
-        # Still subscribed while draining: a request a router forwarded before it saw the
-        # leave is refused as retryable (it migrates) rather than meeting no responders.
         running = [a.task for a in self._active.values() if a.task is not None]
         if running:
             log.info(
@@ -171,10 +212,6 @@ class Worker:
         running = [a.task for a in self._active.values() if a.task is not None]
         if running:
             await asyncio.wait(running, timeout=5.0)
-        for sub in self._subs:
-            await unsubscribe_quietly(sub)
-        await self._tasks.close()
-        await self.engine.close()
 
     # ----------------------------------------------------------------- discovery
 
@@ -274,65 +311,34 @@ class Worker:
 
     # ----------------------------------------------------------------- requests
 
-    async def _on_generate(self, msg: Msg) -> None:
-        reply = msg.reply
-        try:
-            codec = message_codec(msg)
-        except UnknownCodecError as exc:
-            # Nobody can read a reply in a codec we do not know; JSON is the lingua franca.
-            await self._reject(reply, get_codec("json"), None, ErrorCode.UNKNOWN_CODEC, str(exc))
-            return
-        try:
-            obj = codec.decode(msg.data)
-        except CodecError as exc:
-            await self._reject(reply, codec, None, ErrorCode.BAD_ENVELOPE, str(exc))
-            return
-        try:
-            envelope = Envelope.from_wire(obj)
-        except EnvelopeError as exc:
-            await self._reject(reply, codec, peek_id(obj), ErrorCode.BAD_ENVELOPE, str(exc))
-            return
-        if not reply:
-            log.warning("request %s has no reply subject; dropped", envelope.id)
-            return
+    def _check_admission(self, envelope: Envelope) -> None:
+        """Raise the MeshError that refuses `envelope`, if anything does (protocol.md §6.7,
+        rows 5-10)."""
         rid = envelope.id
         if self._stopping:
-            await self._reject(reply, codec, rid, ErrorCode.UNAVAILABLE, "worker is shutting down")
-            return
+            raise MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
         if not self._engine_up:
-            await self._reject(
-                reply, codec, rid, ErrorCode.UNAVAILABLE, f"the {self.engine.name} engine is down"
-            )
-            return
+            raise MeshError(ErrorCode.UNAVAILABLE, f"the {self.engine.name} engine is down")
         if rid in self._tombstones:
-            await self._reject(reply, codec, rid, ErrorCode.CANCELLED, "request was cancelled")
-            return
+            raise MeshError(ErrorCode.CANCELLED, "request was cancelled")
         if rid in self._active:
-            await self._reject(
-                reply,
-                codec,
-                rid,
-                ErrorCode.INVALID_ARGUMENT,
-                f"request id {rid} is already running",
-            )
-            return
+            raise MeshError(ErrorCode.INVALID_ARGUMENT, f"request id {rid} is already running")
         if len(self._active) >= self.config.max_concurrency:
             self.stats["rejected"] += 1
-            await self._reject(
-                reply,
-                codec,
-                rid,
+            raise MeshError(
                 ErrorCode.OVERLOADED,
                 f"worker {self.worker_id} is at its limit of "
                 f"{self.config.max_concurrency} concurrent requests",
             )
-            return
         if envelope.deadline is not None and envelope.deadline <= time.time():
-            await self._reject(
-                reply, codec, rid, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed"
-            )
-            return
-        active = _Active(envelope, reply, codec, dispatch=new_request_id())
+            raise MeshError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+
+    async def _admit(self, request: Request) -> None:
+        """Admit a request (or raise why not): `ack` at once, then run it in a task."""
+        envelope = request.envelope
+        self._check_admission(envelope)
+        rid = envelope.id
+        active = _Active(envelope, request.reply, request.codec, dispatch=new_request_id())
         active.span = worker_tracing.worker_span(
             self.subject, envelope, self.worker_id, self.engine.name, active.dispatch
         )
@@ -347,28 +353,10 @@ class Worker:
             delay = envelope.deadline - time.time()
             asyncio.get_running_loop().call_later(delay, self._stop_request, active, expired)
 
-    async def _on_generate_traced(self, msg: Msg) -> None:
-        # The requester's trace context is current while the request is admitted or
-        # refused: the worker's span (tracing.worker_span/worker_rejected) is its child.
-        with tracing.remote_parent(msg.headers):
-            await self._on_generate(msg)
-
-    async def _reject(
-        self, reply: str, codec: Codec, rid: str | None, code: ErrorCode, message: str
-    ) -> None:
-        log.info("rejected request %s: %s: %s", rid, code.value, message)
+    def _rejection_span(self, rid: str | None, error: MeshError) -> None:
         worker_tracing.worker_rejected(
-            self.subject, self.worker_id, self.engine.name, rid, code, message
+            self.subject, self.worker_id, self.engine.name, rid, error.code, error.message
         )
-        self.rejections += 1
-        if not reply:
-            return
-        frame = frames.err(rid, 0, MeshError(code, message))
-        try:
-            await self.nc.publish(reply, codec.encode(frame), headers=codec_headers(codec))
-            await self.nc.publish(reply, STREAM_TERMINATOR)
-        except Exception as exc:
-            log.warning("could not send rejection for %s: %s", rid, exc)
 
     async def _send(self, active: _Active, frame: frames.Frame) -> None:
         # Numbered and encoded before the first await, so concurrent senders (keep-alives)
@@ -459,7 +447,7 @@ class Worker:
             for active in list(self._active.values()):
                 if now - active.last_sent >= interval:
                     try:
-                        await self._send(active, {"t": frames.KA, "id": active.envelope.id})
+                        await self._send(active, frames.ka(active.envelope.id))
                     except Exception as exc:
                         log.debug("keep-alive failed for %s: %s", active.envelope.id, exc)
 
@@ -468,6 +456,11 @@ def _outcome(last: frames.Frame | None) -> str:
     """The stats counter a request ends in, from the last frame it sent."""
     if last is not None and last["t"] == frames.END:
         return "completed"
-    if last is not None and last.get("code") == ErrorCode.CANCELLED.value:
+    if last is not None and last["t"] == frames.ERR and last["code"] == ErrorCode.CANCELLED:
         return "cancelled"
     return "failed"
+
+
+async def _unsubscribe_all(subs: list[Subscription]) -> None:
+    for sub in subs:
+        await unsubscribe_quietly(sub)

@@ -1,0 +1,251 @@
+"""One dispatch of an envelope: publish it, read its reply frames, watch the worker.
+
+An attempt's stream always ends with one terminal frame. When the mesh sends none in time
+(no `ack`, a silent worker that a ping finds gone or no longer running the request, a
+worker that leaves discovery, lost frames, the deadline), the attempt makes up an `err`
+frame (`"origin": "client"`) and says why in `failure`, which the `Migrator` reads. Leaving
+the stream before the mesh ended it cancels the request on the workers
+(`docs/protocol.md` §11, §11.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from genmesh.client.migration import MigrationReason
+from genmesh.client.tracing import attempt_span
+from genmesh.codecs import CodecError, UnknownCodecError
+from genmesh.shared import frames, tracing
+from genmesh.shared.bus import PING_NOT_RUNNING, codec_headers, is_no_responders, message_codec
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode
+from genmesh.shared.tasks import keep_cancel
+
+if TYPE_CHECKING:
+    from genmesh.client.mesh_client import MeshClient
+
+log = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failure the client detected itself, queued on a stream like a reply."""
+
+    reason: MigrationReason | None  # None: a failure no migration survives (the deadline)
+    code: ErrorCode
+    message: str
+
+
+# What a stream's queue holds: replies, and failures detected outside the stream.
+Incoming = Msg | Failure
+
+
+class Attempt:
+    """One dispatch of `envelope` to `subject`, by `client`."""
+
+    def __init__(
+        self, client: MeshClient, envelope: Envelope, subject: str, deadline: float | None
+    ) -> None:
+        self.client = client
+        self.envelope = envelope
+        self.subject = subject
+        self.deadline = deadline  # on the event loop's clock
+        # The worker that acknowledged the attempt, once one did.
+        self.worker: str | None = None
+        # Why the attempt failed, when it ends with an `err` (the mesh's own: a
+        # retryable error, or the failure the client detected).
+        self.failure = MigrationReason.RETRYABLE_ERROR
+
+    async def stream(self) -> AsyncGenerator[frames.Frame, None]:
+        """Its frames, ending with one terminal frame (made up here if need be)."""
+        client = self.client
+        rid = self.envelope.id
+        token, queue = client.open_stream()
+        # A span per attempt (a child of the caller's current span), ended by its terminal
+        # frame, or below when the attempt is left without one.
+        span = attempt_span(self.envelope, self.subject)
+        finished = False
+        try:
+            async for frame in self._frames(token, queue, span):
+                if span is not None:
+                    span.frame(frame)
+                # A terminal frame from the mesh needs no cancel; one made up here does.
+                finished = frame["t"] in frames.TERMINAL and "origin" not in frame
+                yield frame
+        finally:
+            client.close_stream(token, self.worker)
+            if span is not None:
+                span.end(error_type=ErrorCode.CANCELLED.value)  # unless a frame ended it
+            if not finished:
+                try:
+                    await client.cancel(rid)
+                except Exception as exc:
+                    log.warning("could not publish cancel for %s: %s", rid, exc)
+
+    async def _frames(
+        self, token: str, queue: asyncio.Queue[Incoming], span: tracing.FrameSpan | None
+    ) -> AsyncGenerator[frames.Frame, None]:
+        client = self.client
+        rid = self.envelope.id
+        try:
+            data = client.codec.encode(self.envelope.to_wire())
+        except CodecError as exc:  # e.g. an integer beyond 64 bits in a native field
+            yield frames.synthetic_err(
+                rid, ErrorCode.INVALID_ARGUMENT, f"the request cannot be encoded: {exc}"
+            )
+            return
+        headers = codec_headers(client.codec)
+        if span is not None:  # the router's and worker's spans become its children
+            headers = tracing.inject(headers, span.span)
+        try:
+            await client.nc.publish(
+                self.subject, data, reply=client.reply_subject(token), headers=headers
+            )
+        except NatsError as exc:  # closed, draining, or the reconnect buffer is full
+            yield self._failed(
+                MigrationReason.PUBLISH_FAILED,
+                ErrorCode.UNAVAILABLE,
+                f"could not publish the request: {exc!r}",
+            )
+            return
+        expected_seq = 0
+        loop = asyncio.get_running_loop()
+        silent_since = reassured_at = loop.time()
+        while True:
+            item = await self._next(queue, expected_seq, silent_since, reassured_at)
+            if item is None:  # the silent worker answered a ping: keep waiting, and
+                reassured_at = loop.time()  # ask again only after another pause
+                continue
+            if isinstance(item, Failure):
+                yield self._failed(item.reason, item.code, item.message)
+                return
+            silent_since = reassured_at = loop.time()
+            frame = self._read(item, expected_seq)
+            expected_seq += 1
+            if frame is None:
+                continue  # a frame type from a newer protocol: numbered, not understood
+            if frame["t"] == frames.ACK:
+                self.worker = frame["worker"]
+                self.client.watch_worker(self.worker, token)
+            yield frame
+            if frame["t"] in frames.TERMINAL:
+                return
+
+    def _failed(
+        self, reason: MigrationReason | None, code: ErrorCode, message: str
+    ) -> frames.ErrFrame:
+        if reason is not None:
+            self.failure = reason
+        return frames.synthetic_err(self.envelope.id, code, message)
+
+    async def _next(
+        self,
+        queue: asyncio.Queue[Incoming],
+        expected_seq: int,
+        silent_since: float,
+        reassured_at: float,
+    ) -> Incoming | None:
+        """The next reply; a failure detected here; or None after a good ping.
+
+        `silent_since`: the last frame (the idle timeout counts from it); `reassured_at`:
+        the last frame or good ping (the next ping is due `ping_after_s` after it)."""
+        if not queue.empty():
+            return queue.get_nowait()
+        client = self.client
+        deadline = self.deadline
+        loop = asyncio.get_running_loop()
+        acked = expected_seq > 0
+        window = client.idle_timeout_s if acked else client.ack_timeout_s
+        limit = silent_since + window
+        # Acknowledged: wake early to ask a silent worker whether it is still there.
+        wake = min(limit, reassured_at + client.ping_after_s) if acked else limit
+        if deadline is not None:
+            wake = min(wake, deadline)
+        try:
+            async with asyncio.timeout_at(max(wake, loop.time())):
+                return await queue.get()
+        except TimeoutError:
+            pass
+        now = loop.time()
+        if deadline is not None and now >= deadline:
+            return Failure(None, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        if now >= limit:
+            what = "sent a frame" if acked else "acknowledged the request"
+            reason = MigrationReason.IDLE_TIMEOUT if acked else MigrationReason.ACK_TIMEOUT
+            return Failure(reason, ErrorCode.UNAVAILABLE, f"no worker {what} within {window:g}s")
+        # The ping waits no longer than the deadline allows (the next round reports it).
+        ping_timeout = PING_TIMEOUT_S if deadline is None else min(PING_TIMEOUT_S, deadline - now)
+        if self.worker is None or ping_timeout <= 0:
+            return None
+        failure = await self._ping(self.worker, ping_timeout)
+        if failure is not None and queue.empty():  # a frame that came meanwhile wins
+            return failure
+        return None
+
+    async def _ping(self, worker: str, timeout: float) -> Failure | None:
+        """Ask a silent worker about this attempt: None while it may still run it, else
+        why the stream is dead. Only "nobody is subscribed" means the worker is gone, and
+        only "not running" means the stream's last frames were lost (say, in a NATS
+        outage): a slow answer is a busy worker, and that is what the idle timeout is for."""
+        client = self.client
+        subject = client.subjects.worker_ping(worker)
+        try:
+            # Pings are where a frontend handler usually is when its client disconnects.
+            reply = await keep_cancel(
+                client.nc.request(subject, self.envelope.id.encode(), timeout=timeout)
+            )
+        except NoRespondersError:
+            client.quarantine.add(worker)
+            return Failure(
+                MigrationReason.WORKER_GONE,
+                ErrorCode.UNAVAILABLE,
+                f"worker {worker} is gone (its ping subject has no responders)",
+            )
+        except (NatsTimeoutError, NatsError):
+            return None
+        if reply.data == PING_NOT_RUNNING:
+            return Failure(
+                MigrationReason.NOT_RUNNING,
+                ErrorCode.UNAVAILABLE,
+                f"worker {worker} no longer runs the request (its last frames were lost)",
+            )
+        return None
+
+    def _read(self, msg: Msg, expected_seq: int) -> frames.Frame | None:
+        """Decode and check one reply (None: a frame type this client does not know);
+        problems become a terminal `err` frame."""
+        rid = self.envelope.id
+        client = self.client
+        if is_no_responders(msg):
+            # Routers go missing for a moment when they reconnect to NATS; a worker subject
+            # is a pinned request's, which never moves.
+            nobody = self._failed(
+                MigrationReason.NO_ROUTER,
+                ErrorCode.NO_WORKER,
+                f"nothing is subscribed to {self.subject}",
+            )
+            nobody["retryable"] = self.subject == client.subjects.router_generate
+            return nobody
+        try:
+            seq, frame = frames.parse(message_codec(msg).decode(msg.data))
+        except (UnknownCodecError, CodecError, frames.FrameError) as exc:
+            return frames.synthetic_err(rid, ErrorCode.INTERNAL, f"unreadable reply frame: {exc}")
+        # Rejections sent before a worker admitted the request carry seq 0 as well.
+        if seq != expected_seq and (frame is None or frame["t"] != frames.ERR):
+            return self._failed(
+                MigrationReason.FRAMES_LOST,
+                ErrorCode.UNAVAILABLE,
+                f"reply frames lost: expected seq {expected_seq}, got {seq}",
+            )
+        return frame
