@@ -3,7 +3,7 @@
 
     python3 dev.py up [genmesh up options]   run the mesh (NATS, routers, workers, frontend)
     python3 dev.py test [pytest options]     run the test suite
-    python3 dev.py lint                      ruff check, ruff format --check, mypy
+    python3 dev.py lint                      ruff check, ruff format --check, mypy, lint-imports
     python3 dev.py genmesh ARGS...           any genmesh command, in the project's venv
 
 The first run creates ./.venv and installs the project with its test tools; later runs
@@ -81,6 +81,8 @@ def main(argv: list[str]) -> int:
             [str(PY), "-m", "ruff", "format", "--check", "."],
             # genmesh, then each codec package (its own distribution, same strict settings).
             [str(PY), "-m", "mypy", "src/", *(str(p) for p in sorted(ROOT.glob("codecs/*/src")))],
+            # The layering contract in pyproject.toml: imports point down only.
+            [str(BIN / "lint-imports"), "--no-cache"],
         ):
             code = run(*step)
             if code:
