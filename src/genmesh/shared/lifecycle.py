@@ -1,4 +1,5 @@
-"""What every genmesh process does the same way: stop on a signal, log to stderr."""
+"""What every genmesh service and process does the same way: start and stop (`async with`),
+stop on a signal, log to stderr."""
 
 from __future__ import annotations
 
@@ -7,7 +8,33 @@ import contextlib
 import logging
 import signal
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Self
+
+
+class Service(ABC):
+    """A service that starts and stops; `async with service:` runs it for the block."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

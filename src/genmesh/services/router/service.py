@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from types import TracebackType
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -24,13 +23,14 @@ from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.endpoint import EnvelopeEndpoint, Request
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.lifecycle import Service
 from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
 from genmesh.shared.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
 
-class Router:
+class Router(Service):
     def __init__(
         self,
         nc: Client,
@@ -87,18 +87,6 @@ class Router:
     async def stop(self) -> None:
         """Stop the presence heartbeat, announce the leave, unsubscribe, stop discovery."""
         await self._running.aclose()
-
-    async def __aenter__(self) -> Router:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def _announce(self, *, leaving: bool = False) -> None:
         presence = {

@@ -16,7 +16,6 @@ import socket
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from nats.aio.client import Client
@@ -42,6 +41,7 @@ from genmesh.shared.endpoint import EnvelopeEndpoint, Request
 from genmesh.shared.envelope import Envelope, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
+from genmesh.shared.lifecycle import Service
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner, wait_event
 
@@ -84,7 +84,7 @@ class _Active:
     span: tracing.FrameSpan | None = None
 
 
-class Worker:
+class Worker(Service):
     def __init__(
         self, nc: Client, subjects: Subjects, engine: Engine, config: WorkerConfig
     ) -> None:
@@ -174,18 +174,6 @@ class Worker:
             return
         self._stopping = True
         await self._running.aclose()
-
-    async def __aenter__(self) -> Worker:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def _drain(self) -> None:
         """Leave discovery, stop admitting, let what is in flight finish for up to
