@@ -34,7 +34,7 @@ from genmesh.engines.mock import (
 )
 from genmesh.testkit import serving
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.sglang_server import build_app
+from genmesh.testkit.sglang import build_app
 from tests.mesh import free_port
 
 VOCAB = 1000
