@@ -15,6 +15,8 @@ The third shape, the scheduler's abort finish reasons, is the `schedule` module'
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 JSON = dict[str, Any]
@@ -65,7 +67,98 @@ def as_bool(v: Any) -> bool | None:
     return None
 
 
+def _lax_bool(v: Any) -> bool:
+    return as_bool(v) is not None
+
+
+def _lax_bools(v: Any) -> bool:
+    return all(_lax_bool(x) for x in v) if isinstance(v, list) else _lax_bool(v)
+
+
+def _int_or_ints(v: Any) -> bool:
+    return is_int(v) or is_int_list(v)
+
+
+def _str_or_strs(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+def _prompt_or_prompts(v: Any) -> bool:
+    return is_int_list(v) or (isinstance(v, list) and all(is_int_list(p) for p in v) and len(v) > 0)
+
+
+def _ids_or_id_lists(v: Any) -> bool:
+    return is_int(v) or is_int_list(v) or (isinstance(v, list) and all(is_int_list(t) for t in v))
+
+
+def _dict_or_dicts(v: Any) -> bool:
+    return isinstance(v, dict) or (isinstance(v, list) and all(isinstance(s, dict) for s in v))
+
+
+def _is_dict(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """A field of `GenerateReqInput` and the JSON values pydantic accepts for it."""
+
+    name: str
+    accepts: Callable[[Any], bool]
+    error: tuple[str, str]  # pydantic's error type and message
+    # Optional[...] fields take null as their default; the others refuse it.
+    nullable: bool = True
+
+    def refuses(self, body: JSON) -> bool:
+        if self.name not in body or (self.nullable and body[self.name] is None):
+            return False
+        return not self.accepts(body[self.name])
+
+    def report(self, body: JSON) -> JSON:
+        kind, msg = self.error
+        return {"type": kind, "loc": ("body", self.name), "msg": msg, "input": body[self.name]}
+
+
+_BOOL = "bool_parsing", "Input should be a valid boolean"
+_INT = "int_type", "Input should be a valid integer"
+_STR = "string_type", "Input should be a valid string"
+_DICT = "dict_type", "Input should be a valid dictionary"
+_LIST = "list_type", "Input should be a valid list"
+_INPUT_IDS = (
+    "value_error",
+    "Value error, input_ids must be a list of int64 or a list of lists of int64",
+)
+
+# Checked, and reported, in this order.
+_FIELDS = (
+    _Field("stream", _lax_bool, _BOOL, nullable=False),
+    _Field("return_text_in_logprobs", _lax_bool, _BOOL, nullable=False),
+    _Field("return_routed_experts", _lax_bool, _BOOL, nullable=False),
+    _Field("return_logprob", _lax_bools, _BOOL),
+    _Field("logprob_start_len", _int_or_ints, _INT),
+    _Field("top_logprobs_num", _int_or_ints, _INT),
+    _Field("routed_experts_start_len", is_int, _INT, nullable=False),
+    _Field("priority", is_int, _INT),
+    _Field("text", _str_or_strs, _STR),
+    _Field("input_ids", _prompt_or_prompts, _INPUT_IDS),
+    _Field("token_ids_logprob", _ids_or_id_lists, _LIST),
+    _Field("sampling_params", _dict_or_dicts, _DICT),
+    _Field("rid", _str_or_strs, _STR),
+    _Field("session_params", _is_dict, _DICT),
+)
+
+
 def check_body(raw: bytes) -> JSON:
+    """The body as pydantic hands it to SGLang (lax bools made bools), or `Malformed`
+    listing every field of the wrong type."""
+    body = _json_object(raw)
+    errors = [field.report(body) for field in _FIELDS if field.refuses(body)]
+    if errors:
+        raise Malformed(errors)
+    return _coerce_bools(body)
+
+
+def _json_object(raw: bytes) -> JSON:
     if not raw.strip():
         raise Malformed([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     try:
@@ -74,90 +167,19 @@ def check_body(raw: bytes) -> JSON:
         err = {"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"}
         raise Malformed([{**err, "input": {}, "ctx": {"error": str(exc)}}]) from exc
     if not isinstance(body, dict):
-        raise Malformed(
-            [
-                {
-                    "type": "dataclass_type",
-                    "loc": ("body",),
-                    "msg": "Input should be a dictionary or an instance of GenerateReqInput",
-                    "input": body,
-                }
-            ]
-        )
-    errors: list[JSON] = []
+        msg = "Input should be a dictionary or an instance of GenerateReqInput"
+        raise Malformed([{"type": "dataclass_type", "loc": ("body",), "msg": msg, "input": body}])
+    return body
 
-    def bad(name: str, kind: str, msg: str) -> None:
-        errors.append({"type": kind, "loc": ("body", name), "msg": msg, "input": body[name]})
 
-    def present(name: str) -> bool:
-        return body.get(name) is not None
-
+def _coerce_bools(body: JSON) -> JSON:
+    """What pydantic accepted as a lax bool, stored as a bool."""
     for name in ("stream", "return_text_in_logprobs", "return_routed_experts"):
         if name in body:
-            value = as_bool(body[name])
-            if value is None:
-                bad(name, "bool_parsing", "Input should be a valid boolean")
-            else:
-                body[name] = value
-    if present("return_logprob"):
-        value = body["return_logprob"]
-        if isinstance(value, list):
-            coerced = [as_bool(v) for v in value]
-            if any(v is None for v in coerced):
-                bad("return_logprob", "bool_parsing", "Input should be a valid boolean")
-            else:
-                body["return_logprob"] = coerced
-        elif as_bool(value) is None:
-            bad("return_logprob", "bool_parsing", "Input should be a valid boolean")
-        else:
-            body["return_logprob"] = as_bool(value)
-    for name in ("logprob_start_len", "top_logprobs_num"):
-        if present(name) and not (is_int(body[name]) or is_int_list(body[name])):
-            bad(name, "int_type", "Input should be a valid integer")
-    if "routed_experts_start_len" in body and not is_int(body["routed_experts_start_len"]):
-        bad("routed_experts_start_len", "int_type", "Input should be a valid integer")
-    if present("priority") and not is_int(body["priority"]):
-        bad("priority", "int_type", "Input should be a valid integer")
-    if present("text"):
-        text = body["text"]
-        if not (
-            isinstance(text, str)
-            or (isinstance(text, list) and all(isinstance(t, str) for t in text))
-        ):
-            bad("text", "string_type", "Input should be a valid string")
-    if present("input_ids"):
-        ids = body["input_ids"]
-        if not (
-            is_int_list(ids)
-            or (isinstance(ids, list) and all(is_int_list(p) for p in ids) and len(ids) > 0)
-        ):
-            bad(
-                "input_ids",
-                "value_error",
-                "Value error, input_ids must be a list of int64 or a list of lists of int64",
-            )
-    if present("token_ids_logprob"):
-        tids = body["token_ids_logprob"]
-        if not (
-            is_int(tids)
-            or is_int_list(tids)
-            or (isinstance(tids, list) and all(is_int_list(t) for t in tids))
-        ):
-            bad("token_ids_logprob", "list_type", "Input should be a valid list")
-    if present("sampling_params"):
-        sp = body["sampling_params"]
-        if not (
-            isinstance(sp, dict) or (isinstance(sp, list) and all(isinstance(s, dict) for s in sp))
-        ):
-            bad("sampling_params", "dict_type", "Input should be a valid dictionary")
-    if present("rid"):
-        rid = body["rid"]
-        if not (
-            isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
-        ):
-            bad("rid", "string_type", "Input should be a valid string")
-    if present("session_params") and not isinstance(body["session_params"], dict):
-        bad("session_params", "dict_type", "Input should be a valid dictionary")
-    if errors:
-        raise Malformed(errors)
+            body[name] = as_bool(body[name])
+    value = body.get("return_logprob")
+    if isinstance(value, list):
+        body["return_logprob"] = [as_bool(v) for v in value]
+    elif value is not None:
+        body["return_logprob"] = as_bool(value)
     return body
