@@ -8,11 +8,8 @@ Tokens come from genmesh's deterministic token model (`genmesh.engines.mock`).
 from __future__ import annotations
 
 import asyncio
-import base64
-import struct
-import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from genmesh.engines.faults import Fault, Running, ServerState
 from genmesh.engines.mock import (
@@ -27,12 +24,18 @@ from genmesh.shared.tasks import wait_event
 from genmesh.testkit.common import MockServerConfig
 from genmesh.testkit.sglang.normalize import Item, normalize
 from genmesh.testkit.sglang.request import JSON, Rejected
-from genmesh.testkit.sglang.response import WAITING_ABORT, WEIGHT_VERSION, abort_reason
+from genmesh.testkit.sglang.response import (
+    LogprobEntry,
+    Transcript,
+    abort_reason,
+    output,
+    scheduler_abort,
+    triple,
+    waiting_abort,
+)
 
 # The MoE shape of the routed-expert rows, the mock worker engine's defaults.
 _MOE = MockConfig()
-
-LogprobEntry = list[Any]  # [logprob | None, token_id, None]
 
 
 class Scheduler:
@@ -72,10 +75,6 @@ class Event:
     fault: str | None = None
 
 
-def triple(logprob: float | None, token: int) -> LogprobEntry:
-    return [logprob, token, None]
-
-
 class Generation:
     """One item's run through the "scheduler": waiting queue, prefill, decode steps.
 
@@ -100,14 +99,7 @@ class Generation:
         self.created = created
         self.queue = queue
         self.running: Running = scheduler.state.start(item.rid)
-        self.output_ids: list[int] = []
-        self.out_lps: list[LogprobEntry] = []
-        self.out_tops: list[list[LogprobEntry] | None] = []
-        self.out_tids: list[list[LogprobEntry] | None] = []
-        self.in_lps: list[LogprobEntry] = []
-        self.in_tops: list[list[LogprobEntry] | None] = []
-        self.in_tids: list[list[LogprobEntry] | None] = []
-        self.rows: list[list[int]] = []
+        self.record = Transcript()
         self.sent = 0  # output tokens already delivered (incremental streaming)
 
     async def run(self) -> None:
@@ -127,6 +119,17 @@ class Generation:
     def _emit(self, kind: Literal["chunk", "final"], payload: JSON) -> None:
         self.queue.put_nowait(Event(self.item.index, kind, payload))
 
+    async def _run(self) -> bool:
+        """Generate; True when a final output was produced."""
+        if await self._waiting():
+            self._emit("final", waiting_abort(self.item))
+            return True
+        self.running.waiting = False
+        if self.item.scheduler_abort is not None:
+            self._scheduler_abort(self.item.scheduler_abort)
+            return True
+        return await self._decode(self._prompt_pass())
+
     async def _waiting(self) -> bool:
         """The prefill delay, spent in the waiting queue; True if aborted meanwhile."""
         delay = self.scheduler.state.token_delay_s
@@ -135,101 +138,105 @@ class Generation:
             return self.running.aborted.is_set()
         return await wait_event(self.running.aborted, delay)
 
-    async def _run(self) -> bool:
-        """Generate; True when a final output was produced."""
+    def _scheduler_abort(self, message: str) -> None:
+        # set_finish_with_abort: the prompt became [0] and logprobs were switched off;
+        # one forward pass later the request finishes with the abort.
+        token = advance(initial_state(self.item.seed), 0) % self.scheduler.model.vocab_size
+        self.record.output_ids = [token]
+        self._emit("final", scheduler_abort(self.item, [token], message, self.created))
+
+    def _prompt_pass(self) -> int:
+        """Run the prompt: input logprobs and routed-expert rows; the state after it."""
         it = self.item
         model = self.scheduler.model
-        if await self._waiting():
-            self._emit("final", self._waiting_abort())
-            return True
-        self.running.waiting = False
-        if it.scheduler_abort is not None:
-            # set_finish_with_abort: the prompt became [0] and logprobs were switched off;
-            # one forward pass later the request finishes with the abort.
-            self.output_ids = [advance(initial_state(it.seed), 0) % model.vocab_size]
-            self._emit("final", self._scheduler_abort(it.scheduler_abort))
-            return True
+        record = self.record
+        state = initial_state(it.seed)
+        for i, tid in enumerate(it.prompt):
+            if it.return_logprob and i >= it.logprob_start:
+                # SGLang's shift: the first requested position has no logprob.
+                first = i == it.logprob_start
+                record.in_lps.append(triple(None if first else model.logprob(state, tid), tid))
+                if it.top_logprobs_num:
+                    record.in_tops.append(None if first else self._top(state))
+                if it.token_ids_logprob is not None:
+                    record.in_tids.append(None if first else self._tids(state))
+            state = advance(state, tid)
+            if it.return_routed_experts and i >= it.routed_experts_start:
+                record.rows.append(self.scheduler.experts.row(state))
+        return state
 
-        state = self._prompt_pass()
+    async def _decode(self, state: int) -> bool:
+        """Decode steps from `state` until a finish (True) or a transport fault (False)."""
+        it = self.item
         banned = it.stop_token_ids if it.ignore_eos else it.stop_token_ids | {self.eos}
         fault = self.fault
         k = 0
         while True:
+            # The fault fires only while the generation is still running.
             if fault is not None and k == fault.after_tokens and k < it.max_new_tokens:
-                # The fault fires only while the generation is still running.
-                if fault.kind == "abort":
-                    reason = abort_reason(fault.message, fault.status or None)
-                    self._emit("final", self._out(reason))
-                    return True
-                if fault.kind == "hang":
-                    # Nothing more until an abort (or the client leaving cancels us).
-                    await self.running.aborted.wait()
-                else:  # drop, no_terminal, done_early: the handler ends the response
-                    payload = None if self.stream else self._out(None)
-                    self.queue.put_nowait(Event(it.index, "fault", payload, fault=fault.kind))
-                    return False
+                if fault.kind != "hang":
+                    return self._fire(fault)
+                # Nothing more until an abort (or the client leaving cancels us).
+                await self.running.aborted.wait()
                 fault = None
             if k >= it.max_new_tokens:  # max_new_tokens == 0: prefill only
                 self._emit("final", self._out({"type": "length", "length": it.max_new_tokens}))
                 return True
             if k:
                 await asyncio.sleep(self.scheduler.state.token_delay_s)
-            if k < it.min_new_tokens:
-                # Masked like a real engine masks stop logits: the best allowed candidate.
-                candidates = model.top(state, MAX_TOP_LOGPROBS)
-                token, logprob = next(
-                    ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
-                )
-            else:
-                token, logprob = state % model.vocab_size, model.greedy_logprob(state)
+            token, logprob = self._sample(state, k, banned)
             self._record(state, token, logprob)
             state = advance(state, token)
             k += 1
-            finish: JSON | None = None
-            # Req.check_finished: a pending abort, then the length cap, then stop tokens.
-            if self.running.aborted.is_set():
-                finish = abort_reason("Aborted", None)
-            elif k >= it.max_new_tokens:
-                finish = {"type": "length", "length": it.max_new_tokens}
-            elif (
-                not it.ignore_eos
-                and k > it.min_new_tokens
-                and (token == self.eos or token in it.stop_token_ids)
-            ):
-                finish = {"type": "stop", "matched": token}
+            finish = self._check_finished(token, k)
             if it.return_routed_experts:
-                self.rows.append(self.scheduler.experts.row(state))
+                self.record.rows.append(self.scheduler.experts.row(state))
             if finish is not None:
                 self._emit("final", self._out(finish))
                 return True
             if self.stream and (k - 1) % it.stream_interval == 0:
                 self._emit("chunk", self._out(None))
 
+    def _fire(self, fault: Fault) -> bool:
+        """Any injected fault but `hang`: `abort` finishes the generation with its reason
+        (True); drop, no_terminal and done_early leave the handler to end the response."""
+        if fault.kind == "abort":
+            self._emit("final", self._out(abort_reason(fault.message, fault.status or None)))
+            return True
+        payload = None if self.stream else self._out(None)
+        self.queue.put_nowait(Event(self.item.index, "fault", payload, fault=fault.kind))
+        return False
+
+    def _sample(self, state: int, k: int, banned: frozenset[int]) -> tuple[int, float]:
+        """The `k`th output token: greedy, unless min_new_tokens forbids it."""
+        model = self.scheduler.model
+        if k < self.item.min_new_tokens:
+            # Masked like a real engine masks stop logits: the best allowed candidate.
+            candidates = model.top(state, MAX_TOP_LOGPROBS)
+            return next(((t, lp) for t, lp in candidates if t not in banned), candidates[0])
+        return state % model.vocab_size, model.greedy_logprob(state)
+
+    def _check_finished(self, token: int, k: int) -> JSON | None:
+        """Req.check_finished after `k` tokens: a pending abort, then the length cap, then
+        stop tokens."""
+        it = self.item
+        if self.running.aborted.is_set():
+            return abort_reason("Aborted", None)
+        if k >= it.max_new_tokens:
+            return {"type": "length", "length": it.max_new_tokens}
+        stops = token == self.eos or token in it.stop_token_ids
+        if not it.ignore_eos and k > it.min_new_tokens and stops:
+            return {"type": "stop", "matched": token}
+        return None
+
     @property
     def eos(self) -> int:
         return self.scheduler.config.eos_token_id
 
-    def _prompt_pass(self) -> int:
-        """Run the prompt: input logprobs and routed-expert rows; the state after it."""
-        it = self.item
-        model = self.scheduler.model
-        state = initial_state(it.seed)
-        for i, tid in enumerate(it.prompt):
-            if it.return_logprob and i >= it.logprob_start:
-                # SGLang's shift: the first requested position has no logprob.
-                first = i == it.logprob_start
-                self.in_lps.append(triple(None if first else model.logprob(state, tid), tid))
-                if it.top_logprobs_num:
-                    self.in_tops.append(None if first else self._top(state, it.top_logprobs_num))
-                if it.token_ids_logprob is not None:
-                    self.in_tids.append(None if first else self._tids(state))
-            state = advance(state, tid)
-            if it.return_routed_experts and i >= it.routed_experts_start:
-                self.rows.append(self.scheduler.experts.row(state))
-        return state
-
-    def _top(self, state: int, k: int) -> list[LogprobEntry]:
-        return [triple(lp, t) for t, lp in self.scheduler.model.top(state, k)]
+    def _top(self, state: int) -> list[LogprobEntry]:
+        return [
+            triple(lp, t) for t, lp in self.scheduler.model.top(state, self.item.top_logprobs_num)
+        ]
 
     def _tids(self, state: int) -> list[LogprobEntry]:
         model = self.scheduler.model
@@ -237,87 +244,19 @@ class Generation:
 
     def _record(self, state: int, token: int, logprob: float) -> None:
         it = self.item
-        self.output_ids.append(token)
+        record = self.record
+        record.output_ids.append(token)
         if it.return_logprob:
-            self.out_lps.append(triple(logprob, token))
+            record.out_lps.append(triple(logprob, token))
             if it.top_logprobs_num:
-                self.out_tops.append(self._top(state, it.top_logprobs_num))
+                record.out_tops.append(self._top(state))
             if it.token_ids_logprob is not None:
-                self.out_tids.append(self._tids(state))
-
-    def _latency(self) -> float:
-        return round(time.monotonic() - self.created, 6)
-
-    def _routed_experts(self) -> str:
-        """Rows for positions [start, seqlen - 1): the last token has had no forward pass."""
-        it = self.item
-        want = max(0, len(it.prompt) + len(self.output_ids) - 1 - it.routed_experts_start)
-        flat = [e for row in self.rows[:want] for e in row]
-        return base64.b64encode(struct.pack(f"<{len(flat)}i", *flat)).decode("ascii")
+                record.out_tids.append(self._tids(state))
 
     def _out(self, finish: JSON | None) -> JSON:
-        """An output object as the tokenizer manager builds it (BatchTokenIDOutput)."""
-        it = self.item
+        """The output object now: in incremental streaming, only what is new since the
+        last one."""
         offset = self.sent if self.incremental else 0
-        meta: JSON = {
-            "id": it.rid,
-            "finish_reason": finish,
-            "prompt_tokens": len(it.prompt),
-            "weight_version": WEIGHT_VERSION,
-            "num_retractions": 0,
-        }
-        if it.return_logprob:
-            meta["input_token_logprobs"] = list(self.in_lps)
-            meta["output_token_logprobs"] = self.out_lps[offset:]
-            meta["output_token_logprobs_length"] = len(self.out_lps)
-            if it.top_logprobs_num:
-                meta["input_top_logprobs"] = list(self.in_tops)
-                meta["output_top_logprobs"] = self.out_tops[offset:]
-            if it.token_ids_logprob is not None:
-                meta["input_token_ids_logprobs"] = list(self.in_tids)
-                meta["output_token_ids_logprobs"] = self.out_tids[offset:]
-        meta["reasoning_tokens"] = 0
-        meta["completion_tokens"] = len(self.output_ids)
-        meta["cached_tokens"] = 0
-        if finish is not None:
-            if it.return_routed_experts:
-                meta["routed_experts"] = self._routed_experts()
-            meta["e2e_latency"] = self._latency()
-        output_ids = self.output_ids[offset:]
-        self.sent = len(self.output_ids)
-        return {"output_ids": output_ids, "meta_info": meta}
-
-    def _waiting_abort(self) -> JSON:
-        """The tokenizer manager's `_handle_abort_req`: a request aborted while waiting.
-
-        Its output carries an empty `text` even under --skip-tokenizer-init."""
-        it = self.item
-        meta: JSON = {"id": it.rid, "finish_reason": {"type": "abort", "message": WAITING_ABORT}}
-        if it.return_logprob:
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = []
-            meta["output_token_logprobs_length"] = 0
-            if it.top_logprobs_num:
-                meta["input_top_logprobs"] = []
-                meta["output_top_logprobs"] = []
-            if it.token_ids_logprob is not None:
-                meta["input_token_ids_logprobs"] = []
-                meta["output_token_ids_logprobs"] = []
-        meta["completion_tokens"] = 0
-        return {"text": "", "output_ids": [], "meta_info": meta}
-
-    def _scheduler_abort(self, message: str) -> JSON:
-        return {
-            "output_ids": list(self.output_ids),
-            "meta_info": {
-                "id": self.item.rid,
-                "finish_reason": abort_reason(message, 400),
-                "prompt_tokens": 1,
-                "weight_version": WEIGHT_VERSION,
-                "num_retractions": 0,
-                "reasoning_tokens": 0,
-                "completion_tokens": len(self.output_ids),
-                "cached_tokens": 0,
-                "e2e_latency": self._latency(),
-            },
-        }
+        out = output(self.item, self.record, finish, offset=offset, created=self.created)
+        self.sent = len(self.record.output_ids)
+        return out
