@@ -53,67 +53,67 @@ class InfoRoutes:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        host, port = "127.0.0.1", 0
-        transport = request.transport
-        sockname = transport.get_extra_info("sockname") if transport is not None else None
-        if isinstance(sockname, tuple) and len(sockname) >= 2:
-            host, port = str(sockname[0]), int(sockname[1])
+        info = {**self._server_args(*_bound_address(request)), **self._scheduler_info()}
+        return json_response({**info, "version": SGLANG_VERSION})
+
+    def _server_args(self, host: str, port: int) -> JSON:
+        """ServerArgs, flattened (the fields clients read, and some context)."""
+        c = self.config
+        return {
+            "model_path": c.model,
+            "tokenizer_path": c.model,
+            "tokenizer_mode": "auto",
+            "skip_tokenizer_init": True,
+            "load_format": "dummy",
+            "trust_remote_code": False,
+            "context_length": c.max_model_len,
+            "is_embedding": False,
+            "host": host,
+            "port": port,
+            "served_model_name": c.model,
+            "weight_version": WEIGHT_VERSION,
+            "dtype": "auto",
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "ep_size": 1,
+            "stream_interval": 1,
+            "incremental_streaming_output": c.incremental,
+            "stream_output": c.incremental,
+            "max_running_requests": None,
+            "max_queued_requests": None,
+            "chunked_prefill_size": 8192,
+            "schedule_policy": "fcfs",
+            "random_seed": 0,
+            "disable_radix_cache": False,
+            "allow_auto_truncate": False,
+            "enable_lora": False,
+            "enable_return_hidden_states": False,
+            "enable_return_routed_experts": True,
+            "enable_custom_logit_processor": False,
+            "enable_priority_scheduling": False,
+            "enable_metrics": False,
+            "api_key": None,
+            "admin_api_key": None,
+            "disaggregation_mode": "null",
+            "disaggregation_bootstrap_port": 8998,
+            "disaggregation_transfer_backend": "mooncake",
+        }
+
+    def _scheduler_info(self) -> JSON:
         c = self.config
         running = list(self.state.running.values())
-        return json_response(
-            {
-                # ServerArgs, flattened (the fields clients read, and some context)
-                "model_path": c.model,
-                "tokenizer_path": c.model,
-                "tokenizer_mode": "auto",
-                "skip_tokenizer_init": True,
-                "load_format": "dummy",
-                "trust_remote_code": False,
-                "context_length": c.max_model_len,
-                "is_embedding": False,
-                "host": host,
-                "port": port,
-                "served_model_name": c.model,
-                "weight_version": WEIGHT_VERSION,
-                "dtype": "auto",
-                "tp_size": 1,
-                "pp_size": 1,
-                "dp_size": 1,
-                "ep_size": 1,
-                "stream_interval": 1,
-                "incremental_streaming_output": c.incremental,
-                "stream_output": c.incremental,
-                "max_running_requests": None,
-                "max_queued_requests": None,
-                "chunked_prefill_size": 8192,
-                "schedule_policy": "fcfs",
-                "random_seed": 0,
-                "disable_radix_cache": False,
-                "allow_auto_truncate": False,
-                "enable_lora": False,
-                "enable_return_hidden_states": False,
-                "enable_return_routed_experts": True,
-                "enable_custom_logit_processor": False,
-                "enable_priority_scheduling": False,
-                "enable_metrics": False,
-                "api_key": None,
-                "admin_api_key": None,
-                "disaggregation_mode": "null",
-                "disaggregation_bootstrap_port": 8998,
-                "disaggregation_transfer_backend": "mooncake",
-                # scheduler info
-                "max_total_num_tokens": max(MAX_TOTAL_NUM_TOKENS, c.max_model_len),
-                "max_req_input_len": c.max_model_len - 1,
-                "internal_states": [
-                    {
-                        "last_gen_throughput": 0.0,
-                        "num_running_reqs": sum(1 for r in running if not r.waiting),
-                        "num_waiting_reqs": sum(1 for r in running if r.waiting),
-                    }
-                ],
-                "version": SGLANG_VERSION,
-            }
-        )
+        return {
+            "max_total_num_tokens": max(MAX_TOTAL_NUM_TOKENS, c.max_model_len),
+            "max_req_input_len": c.max_model_len - 1,
+            "internal_states": [
+                {
+                    "last_gen_throughput": 0.0,
+                    "num_running_reqs": sum(1 for r in running if not r.waiting),
+                    "num_waiting_reqs": sum(1 for r in running if r.waiting),
+                }
+            ],
+        }
 
     def _model_card(self) -> JSON:
         name = self.config.model
@@ -147,3 +147,12 @@ class InfoRoutes:
             "(When there are running or waiting requests, the operation will not be "
             "performed.)\n"
         )
+
+
+def _bound_address(request: web.Request) -> tuple[str, int]:
+    """The host and port this request came in on."""
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        return str(sockname[0]), int(sockname[1])
+    return "127.0.0.1", 0
