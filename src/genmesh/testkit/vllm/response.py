@@ -54,6 +54,12 @@ class ApiError(Exception):
         return json_response(self.body(), self.status)
 
 
+def type_error(loc: str, expected: str, value: Any) -> ApiError:
+    """pydantic's wording, roughly: "<loc>: Input should be a valid <type>"."""
+    return ApiError(f"1 validation error for GenerateRequest\n{loc}\n  Input should be a valid "
+                    f"{expected} [input_value={value!r:.60}]")  # fmt: skip
+
+
 def dumps(obj: Any) -> str:
     # Starlette's JSONResponse rendering (and pydantic's model_dump_json): compact.
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

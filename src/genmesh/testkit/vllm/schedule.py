@@ -77,7 +77,7 @@ class Run:
 
     @property
     def k(self) -> int:
-        return self.options.logprobs or 0
+        return self.options.sampling.logprobs or 0
 
     def aborted(self) -> bool:
         return self.fault_abort or self.running.aborted.is_set()
@@ -120,17 +120,17 @@ class Run:
         opts = self.options
         model = TokenModel(self.engine.config.vocab_size)
         limit = budget(opts, self.engine.config, self.engine.profile)
-        for index in range(opts.n):
-            seed = opts.seed if opts.seed is None else opts.seed + index
+        for index in range(opts.sampling.n):
+            seed = opts.sampling.seed if opts.sampling.seed is None else opts.sampling.seed + index
             self.samples.append(
                 Sample(
                     model=model,
                     state=prompt_state(model, seed, opts.prompt),
                     budget=limit,
-                    min_tokens=opts.min_tokens,
-                    stops=frozenset(opts.stop_token_ids),
+                    min_tokens=opts.sampling.min_tokens,
+                    stops=frozenset(opts.sampling.stop_token_ids),
                     eos=self.engine.config.eos_token_id,
-                    ignore_eos=opts.ignore_eos,
+                    ignore_eos=opts.sampling.ignore_eos,
                     top_k=self.k,
                     index=index,
                 )
@@ -184,7 +184,7 @@ class Run:
     def chunk(self, sample: Sample, step: Step | None) -> dict[str, Any]:
         """One SSE event: a delta of one choice (`step` None = the abort terminal)."""
         logprobs = None
-        if self.options.logprobs is not None:
+        if self.options.sampling.logprobs is not None:
             content = [] if step is None else [logprob_content(step, self.k, self.engine.profile)]
             logprobs = {"content": content}
         usage = None
@@ -217,7 +217,7 @@ class Run:
         choices = []
         for sample in self.samples:
             logprobs = None
-            if opts.logprobs is not None:
+            if opts.sampling.logprobs is not None:
                 logprobs = {
                     "content": [
                         logprob_content(s, self.k, self.engine.profile) for s in sample.steps
@@ -248,8 +248,10 @@ class Run:
                     }
                 )
         plp = None
-        if opts.prompt_logprobs is not None:
-            plp = prompt_logprobs(model, opts.seed, opts.prompt, opts.prompt_logprobs)
+        if opts.sampling.prompt_logprobs is not None:
+            plp = prompt_logprobs(
+                model, opts.sampling.seed, opts.prompt, opts.sampling.prompt_logprobs
+            )
         out: dict[str, Any] = {
             "request_id": opts.engine_id,
             "model": self.engine.config.model,
