@@ -19,18 +19,18 @@ from aiohttp import web
 from genmesh.engines.faults import ServerState
 from genmesh.testkit.common import STATE as STATE_KEY
 from genmesh.testkit.common import MockServerConfig, add_admin_routes
+from genmesh.testkit.vllm.errors import ApiError, error_body
 from genmesh.testkit.vllm.request import (
-    ENGINE_ID_PREFIX,
     GENERATE_PATH,
+    GenerateOptions,
     engine_check,
     parse_generate,
 )
 from genmesh.testkit.vllm.response import (
-    ApiError,
-    dumps,
-    error_body,
+    error_response,
     http_exception,
     json_response,
+    sse_error,
 )
 from genmesh.testkit.vllm.schedule import ClientGone, Engine, Run
 
@@ -48,49 +48,49 @@ REQUEST_LOG = web.AppKey("vllm_request_log", deque[dict[str, Any]])
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    engine = app[ENGINE]
-    config, profile, state = engine.config, engine.profile, engine.state
+    engine = request.app[ENGINE]
+    config = engine.config
     if "traceparent" in request.headers:
-        state.traceparents.append(request.headers["traceparent"])
+        engine.state.traceparents.append(request.headers["traceparent"])
     raw = await request.read()
     try:
-        options, body = parse_generate(raw, request.headers, config, profile)
+        options, body = parse_generate(raw, request.headers, config, engine.profile)
         if options.model is not None and options.model != config.model:
             raise ApiError(f"The model `{options.model}` does not exist.", 404, "model")
     except ApiError as exc:
-        return exc.response()
-    log = app[REQUEST_LOG]
-    log.append(
-        {
-            "request_id": options.engine_id,
-            "headers": {
-                name: request.headers[name]
-                for name in ("X-Request-Id", "X-data-parallel-rank")
-                if name in request.headers
-            },
-            "body": body,
-        }
-    )
+        return error_response(exc)
+    _log_request(request, options, body)
     problem = engine_check(options, config)
-    if problem is not None:
-        if not options.stream:
-            return problem.response()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await response.prepare(request)
-        await response.write(f"data: {dumps(problem.body())}\n\ndata: [DONE]\n\n".encode())
-        await response.write_eof()
-        return response
+    if problem is None:
+        return await _run(request, options, engine)
+    if not options.stream:
+        return error_response(problem)
+    # vLLM has sent its stream headers by the time the engine refuses: the error is in-band.
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    await response.write(sse_error(problem))
+    await response.write_eof()
+    return response
 
+
+def _log_request(request: web.Request, options: GenerateOptions, body: dict[str, Any]) -> None:
+    headers = {
+        name: request.headers[name]
+        for name in ("X-Request-Id", "X-data-parallel-rank")
+        if name in request.headers
+    }
+    request.app[REQUEST_LOG].append(
+        {"request_id": options.engine_id, "headers": headers, "body": body}
+    )
+
+
+async def _run(
+    request: web.Request, options: GenerateOptions, engine: Engine
+) -> web.StreamResponse:
+    """Run an accepted request to its end, whatever the end is."""
+    state = engine.state
     fault = state.next_fault()
-    key = options.engine_id
-    suffix = 0
-    while key in state.running:  # a duplicate id: vLLM tells them apart internally
-        suffix += 1
-        key = f"{options.engine_id}#{suffix}"
-    running = state.start(key)
-    engine_ids = engine.engine_ids
-    engine_ids[key] = options.engine_id
+    key, running = engine.admit(options.engine_id)
     run = Run(request, options, engine, running, fault, key)
     try:
         if fault is not None and fault.kind == "http_error" and fault.after_tokens <= 0:
@@ -104,13 +104,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         state.disconnected.append(key)
         return run.response if run.response is not None else web.Response(status=499)
     finally:
-        engine_ids.pop(key, None)
-        state.finish(running, completed=run.completed)
+        engine.release(key, running, completed=run.completed)
 
 
 async def _abort_requests(request: web.Request) -> web.Response:
-    """`POST /abort_requests` (tokens-only servers): fire and forget, 200 with no body.
-    vLLM knows requests by their engine id; the bare id is accepted too."""
+    """`POST /abort_requests` (tokens-only servers): fire and forget, 200 with no body."""
     arrived = time.time()
     try:
         body = json.loads(await request.read())
@@ -125,18 +123,9 @@ async def _abort_requests(request: web.Request) -> web.Response:
         ids = [ids]
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         return http_exception(400, "'request_ids' must be a list of strings")
-    wanted = set(ids)
-    state = request.app[STATE_KEY]
-    state.abort_calls.append({"ids": list(ids), "at": arrived})
-    engine_ids = request.app[ENGINE].engine_ids
-
-    def matches(key: str) -> bool:
-        engine_id = engine_ids.get(key)
-        if engine_id is None or state.running[key].aborted.is_set():
-            return False
-        return engine_id in wanted or engine_id.removeprefix(ENGINE_ID_PREFIX) in wanted
-
-    state.abort_matching(matches)
+    engine = request.app[ENGINE]
+    engine.state.abort_calls.append({"ids": list(ids), "at": arrived})
+    engine.abort(set(ids))
     return web.Response(status=200)
 
 

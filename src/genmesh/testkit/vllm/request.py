@@ -21,7 +21,7 @@ from typing import Any
 
 from genmesh.engines.mock import MAX_TOP_LOGPROBS
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.vllm.response import ApiError, type_error
+from genmesh.testkit.vllm.errors import ApiError, type_error
 from genmesh.testkit.vllm.sampling import (
     DEFAULT_MAX_TOKENS,
     INT64_MAX,

@@ -1,63 +1,32 @@
-"""What the mock vLLM server puts on the wire: its error envelope, JSON, logprobs.
+"""What the mock vLLM server puts on the wire: JSON bodies, SSE events, error replies.
 
-Errors are vLLM's `ErrorResponse`, `{"error": {"message", "type", "param", "code"}}`,
-with `type` named after the status (`BadRequestError`, `NotFoundError`, ...); what
-FastAPI's HTTPException handler answers carries the reason phrase as `type` instead.
-Logprobs are rendered per profile: integer token ids and ranks ("new"), or the
-`"token_id:N"` placeholder strings of tokens-only servers ("old").
+A streaming reply ("new" profile) is SSE deltas with one choice per event, the terminal
+chunk always sent (also for an abort without new tokens), a usage chunk
+`{"request_id", "choices": [], "usage"}` when `stream_options` asks for it, `usage` on
+every chunk with `continuous_usage_stats`, then `data: [DONE]`. A unary reply is one JSON
+body with every choice; its fields differ by profile. Logprobs are rendered per profile:
+integer token ids and ranks ("new"), or the `"token_id:N"` placeholder strings of
+tokens-only servers ("old"). Errors carry vLLM's envelope (`errors`); what FastAPI's
+HTTPException handler answers carries the reason phrase as `type` instead.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 
 from genmesh.engines.mock import TokenModel, advance, initial_state
-from genmesh.testkit.vllm.decode import Step
+from genmesh.testkit.vllm.decode import Sample, Step
+from genmesh.testkit.vllm.errors import ApiError, error_body
+from genmesh.testkit.vllm.request import GenerateOptions
 
 MIN_LOGPROB = -9999.0
 
-# ---------------------------------------------------------------------------- errors
-
-
-def error_type(status: int) -> str:
-    """vLLM's error `type` for a status: `BadRequestError`, `NotFoundError`, ..."""
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        return "InternalServerError" if status >= 500 else "BadRequestError"
-    name = "".join(word[:1].upper() + word[1:] for word in phrase.replace("-", " ").split())
-    return name if name.endswith("Error") else name + "Error"
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`."""
-    return {
-        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
-    }
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.status, self.param)
-
-    def response(self) -> web.Response:
-        return json_response(self.body(), self.status)
-
-
-def type_error(loc: str, expected: str, value: Any) -> ApiError:
-    """pydantic's wording, roughly: "<loc>: Input should be a valid <type>"."""
-    return ApiError(f"1 validation error for GenerateRequest\n{loc}\n  Input should be a valid "
-                    f"{expected} [input_value={value!r:.60}]")  # fmt: skip
+JSON = dict[str, Any]
 
 
 def dumps(obj: Any) -> str:
@@ -67,6 +36,15 @@ def dumps(obj: Any) -> str:
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(text=dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(error: ApiError) -> web.Response:
+    return json_response(error.body(), error.status)
+
+
+def sse_error(error: ApiError) -> bytes:
+    """A refusal once the stream has started: an in-band error event, then `[DONE]`."""
+    return f"data: {dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
 
 
 def http_exception(status: int, detail: str) -> web.Response:
@@ -137,4 +115,110 @@ def logprob_content(step: Step, k: int, profile: str) -> dict[str, Any]:
             {"token": f"token_id:{tid}", "logprob": clamp(lp), "bytes": None}
             for tid, lp, _ in entries
         ],
+    }
+
+
+# ---------------------------------------------------------------------- chunks, bodies
+
+
+def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    total = prompt_tokens + completion_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": total,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def chunk(options: GenerateOptions, profile: str, sample: Sample, step: Step | None) -> JSON:
+    """One SSE event: a delta of one choice (`step` None = the abort terminal)."""
+    requested = options.sampling.logprobs
+    logprobs = None
+    if requested is not None:
+        content = [] if step is None else [logprob_content(step, requested or 0, profile)]
+        logprobs = {"content": content}
+    counts = None
+    if options.continuous_usage:
+        counts = {
+            **usage_counts(len(options.prompt), len(sample.tokens)),
+            "prompt_tokens_details": None,
+        }
+    return {
+        "request_id": options.engine_id,
+        "usage": counts,
+        "prompt_token_ids": None,
+        "mm_placeholders": None,
+        "metrics": None,
+        "output_mode": "tokens",
+        "choices": [
+            {
+                "index": sample.index,
+                "finish_reason": sample.finish_reason,
+                "token_ids": [] if step is None else [step.token],
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": None,
+                "logprobs": logprobs,
+                "stop_reason": sample.stop_reason,
+            }
+        ],
+    }
+
+
+def usage_chunk(options: GenerateOptions, counts: dict[str, Any]) -> JSON:
+    """The last event before `[DONE]` when `stream_options` asks for usage."""
+    return {"request_id": options.engine_id, "usage": counts, "output_mode": "tokens",
+            "choices": []}  # fmt: skip
+
+
+def unary_body(
+    options: GenerateOptions,
+    profile: str,
+    *,
+    model: str,
+    samples: list[Sample],
+    counts: dict[str, Any],
+    prompt_lps: list[JSON | None] | None,
+    kv_transfer_params: JSON | None,
+) -> JSON:
+    """The unary reply: every choice at once."""
+    out: JSON = {
+        "request_id": options.engine_id,
+        "model": model,
+        "created": int(time.time()),
+        "usage": {**counts, "prompt_tokens_details": None},
+        "prompt_logprobs": prompt_lps,
+    }
+    if profile == "new":
+        out.update(prompt_token_id_logprobs=None, prompt_token_ids=None,
+                   mm_placeholders=None, metrics=None)  # fmt: skip
+    out["kv_transfer_params"] = kv_transfer_params
+    if profile == "new":
+        out.update(ec_transfer_params=None, output_mode="tokens")
+    out["choices"] = [_choice(sample, options.sampling.logprobs, profile) for sample in samples]
+    return out
+
+
+def _choice(sample: Sample, requested: int | None, profile: str) -> JSON:
+    logprobs = None
+    if requested is not None:
+        logprobs = {"content": [logprob_content(s, requested or 0, profile) for s in sample.steps]}
+    finish = sample.finish_reason or "stop"  # a null finish is reported as "stop"
+    if profile == "new":
+        return {
+            "index": sample.index,
+            "finish_reason": finish,
+            "token_ids": list(sample.tokens),
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": None,
+            "logprobs": logprobs,
+            "stop_reason": sample.stop_reason,
+        }
+    return {
+        "index": sample.index,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+        "token_ids": list(sample.tokens),
+        "stop_reason": sample.stop_reason,
     }

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from genmesh.testkit.vllm.response import ApiError, type_error
+from genmesh.testkit.vllm.errors import ApiError, type_error
 
 # `SamplingParams.max_tokens`' dataclass default: what old builds use when it is omitted.
 DEFAULT_MAX_TOKENS = 16

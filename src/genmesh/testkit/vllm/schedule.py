@@ -26,14 +26,17 @@ from genmesh.engines.faults import Fault, Running, ServerState
 from genmesh.engines.mock import TokenModel
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.vllm.decode import Sample, Step, prompt_state
-from genmesh.testkit.vllm.request import GenerateOptions, budget
+from genmesh.testkit.vllm.decode import Sample, prompt_state
+from genmesh.testkit.vllm.errors import error_body
+from genmesh.testkit.vllm.request import ENGINE_ID_PREFIX, GenerateOptions, budget
 from genmesh.testkit.vllm.response import (
+    chunk,
     dumps,
-    error_body,
     json_response,
-    logprob_content,
     prompt_logprobs,
+    unary_body,
+    usage_chunk,
+    usage_counts,
 )
 
 KV_BLOCK_SIZE = 16
@@ -53,6 +56,34 @@ class Engine:
     # The NIXL identity and the next free KV block a P/D prefill hands out.
     engine_uuid: str = field(default_factory=lambda: str(uuid.uuid4()))
     next_block: int = 0
+
+    def admit(self, engine_id: str) -> tuple[str, Running]:
+        """Start a request under a key of its own: vLLM tells duplicate ids apart
+        internally."""
+        key = engine_id
+        suffix = 0
+        while key in self.state.running:
+            suffix += 1
+            key = f"{engine_id}#{suffix}"
+        running = self.state.start(key)
+        self.engine_ids[key] = engine_id
+        return key, running
+
+    def release(self, key: str, running: Running, *, completed: bool) -> None:
+        self.engine_ids.pop(key, None)
+        self.state.finish(running, completed=completed)
+
+    def abort(self, wanted: set[str]) -> None:
+        """Abort the running requests with these ids: vLLM knows requests by their engine
+        id; the bare id is accepted too."""
+
+        def matches(key: str) -> bool:
+            engine_id = self.engine_ids.get(key)
+            if engine_id is None or self.state.running[key].aborted.is_set():
+                return False
+            return engine_id in wanted or engine_id.removeprefix(ENGINE_ID_PREFIX) in wanted
+
+        self.state.abort_matching(matches)
 
 
 class ClientGone(Exception):
@@ -75,20 +106,85 @@ class Run:
     dropped: bool = False
     completed: bool = False
 
-    @property
-    def k(self) -> int:
-        return self.options.sampling.logprobs or 0
+    async def execute(self) -> web.StreamResponse:
+        self._start_samples()
+        self.running.waiting = False
+        if self.options.stream:
+            self.response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await self.response.prepare(self.request)
+        ended = await self._decode()
+        if ended is not None:
+            return ended
+        self.completed = all(s.finish_reason in ("stop", "length") for s in self.samples)
+        if self.response is None:
+            return json_response(self.body())
+        if self.options.include_usage:
+            await self.write(usage_chunk(self.options, self.usage()))
+        await self.write("[DONE]")
+        await self.response.write_eof()
+        return self.response
+
+    def _start_samples(self) -> None:
+        """One sample per choice, the `i`th seeded with seed + i."""
+        opts, config = self.options, self.engine.config
+        sampling = opts.sampling
+        model = TokenModel(config.vocab_size)
+        limit = budget(opts, config, self.engine.profile)
+        for index in range(sampling.n):
+            seed = sampling.seed if sampling.seed is None else sampling.seed + index
+            self.samples.append(
+                Sample(
+                    model=model,
+                    state=prompt_state(model, seed, opts.prompt),
+                    budget=limit,
+                    min_tokens=sampling.min_tokens,
+                    stops=frozenset(sampling.stop_token_ids),
+                    eos=config.eos_token_id,
+                    ignore_eos=sampling.ignore_eos,
+                    top_k=sampling.logprobs or 0,
+                    index=index,
+                )
+            )
+
+    async def _decode(self) -> web.StreamResponse | None:
+        """Decode steps until every sample has finished (None), or a fault ends the
+        request early (its response)."""
+        steps = 0
+        while True:
+            live = [s for s in self.samples if s.finish_reason is None]
+            if not live:
+                return None
+            if self.fault is not None and steps >= self.fault.after_tokens:
+                fault, self.fault = self.fault, None
+                ended = await self.apply_fault(fault)
+                if ended is not None:
+                    return ended
+            if not self.aborted():
+                await self.pause()
+            if self.aborted():
+                await self._abort(live)
+                return None
+            for sample in live:
+                step = sample.step()
+                if self.options.stream:
+                    await self.write(chunk(self.options, self.engine.profile, sample, step))
+            steps += 1
+
+    async def _abort(self, live: list[Sample]) -> None:
+        """Every live sample finishes with "abort"; a stream sends each one's terminal
+        chunk."""
+        for sample in live:
+            sample.finish_reason = "abort"
+            if self.options.stream:
+                await self.write(chunk(self.options, self.engine.profile, sample, None))
 
     def aborted(self) -> bool:
         return self.fault_abort or self.running.aborted.is_set()
 
-    def completion_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.samples)
-
-    def usage(self, completion: int | None = None) -> dict[str, Any]:
-        prompt = len(self.options.prompt)
-        done = self.completion_tokens() if completion is None else completion
-        return {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
+    def usage(self) -> dict[str, Any]:
+        return usage_counts(len(self.options.prompt), sum(len(s.tokens) for s in self.samples))
 
     def check_connection(self) -> None:
         transport = self.request.transport
@@ -116,157 +212,24 @@ class Run:
         except ConnectionResetError:
             raise ClientGone from None
 
-    async def execute(self) -> web.StreamResponse:
-        opts = self.options
-        model = TokenModel(self.engine.config.vocab_size)
-        limit = budget(opts, self.engine.config, self.engine.profile)
-        for index in range(opts.sampling.n):
-            seed = opts.sampling.seed if opts.sampling.seed is None else opts.sampling.seed + index
-            self.samples.append(
-                Sample(
-                    model=model,
-                    state=prompt_state(model, seed, opts.prompt),
-                    budget=limit,
-                    min_tokens=opts.sampling.min_tokens,
-                    stops=frozenset(opts.sampling.stop_token_ids),
-                    eos=self.engine.config.eos_token_id,
-                    ignore_eos=opts.sampling.ignore_eos,
-                    top_k=self.k,
-                    index=index,
-                )
-            )
-        self.running.waiting = False
-        if opts.stream:
-            self.response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream; charset=utf-8"}
-            )
-            await self.response.prepare(self.request)
-
-        steps = 0
-        while True:
-            live = [s for s in self.samples if s.finish_reason is None]
-            if not live:
-                break
-            if self.fault is not None and steps >= self.fault.after_tokens:
-                fault, self.fault = self.fault, None
-                done = await self.apply_fault(fault)
-                if done is not None:
-                    return done
-            if not self.aborted():
-                await self.pause()
-            if self.aborted():
-                for sample in live:
-                    sample.finish_reason = "abort"
-                    if opts.stream:
-                        await self.write(self.chunk(sample, None))
-                break
-            for sample in live:
-                step = sample.step()
-                if opts.stream:
-                    await self.write(self.chunk(sample, step))
-            steps += 1
-        self.completed = all(s.finish_reason in ("stop", "length") for s in self.samples)
-        if self.response is not None:
-            if opts.include_usage:
-                await self.write(
-                    {
-                        "request_id": opts.engine_id,
-                        "usage": self.usage(),
-                        "output_mode": "tokens",
-                        "choices": [],
-                    }
-                )
-            await self.write("[DONE]")
-            await self.response.write_eof()
-            return self.response
-        return json_response(self.body())
-
-    def chunk(self, sample: Sample, step: Step | None) -> dict[str, Any]:
-        """One SSE event: a delta of one choice (`step` None = the abort terminal)."""
-        logprobs = None
-        if self.options.sampling.logprobs is not None:
-            content = [] if step is None else [logprob_content(step, self.k, self.engine.profile)]
-            logprobs = {"content": content}
-        usage = None
-        if self.options.continuous_usage:
-            usage = {**self.usage(len(sample.tokens)), "prompt_tokens_details": None}
-        return {
-            "request_id": self.options.engine_id,
-            "usage": usage,
-            "prompt_token_ids": None,
-            "mm_placeholders": None,
-            "metrics": None,
-            "output_mode": "tokens",
-            "choices": [
-                {
-                    "index": sample.index,
-                    "finish_reason": sample.finish_reason,
-                    "token_ids": [] if step is None else [step.token],
-                    "routed_experts": None,
-                    "sampling_mask": None,
-                    "weight_versions": None,
-                    "logprobs": logprobs,
-                    "stop_reason": sample.stop_reason,
-                }
-            ],
-        }
-
     def body(self) -> dict[str, Any]:
+        """The unary reply."""
         opts = self.options
-        model = TokenModel(self.engine.config.vocab_size)
-        choices = []
-        for sample in self.samples:
-            logprobs = None
-            if opts.sampling.logprobs is not None:
-                logprobs = {
-                    "content": [
-                        logprob_content(s, self.k, self.engine.profile) for s in sample.steps
-                    ]
-                }
-            if self.engine.profile == "new":
-                choices.append(
-                    {
-                        "index": sample.index,
-                        # A null finish is reported as "stop".
-                        "finish_reason": sample.finish_reason or "stop",
-                        "token_ids": list(sample.tokens),
-                        "routed_experts": None,
-                        "sampling_mask": None,
-                        "weight_versions": None,
-                        "logprobs": logprobs,
-                        "stop_reason": sample.stop_reason,
-                    }
-                )
-            else:
-                choices.append(
-                    {
-                        "index": sample.index,
-                        "logprobs": logprobs,
-                        "finish_reason": sample.finish_reason or "stop",
-                        "token_ids": list(sample.tokens),
-                        "stop_reason": sample.stop_reason,
-                    }
-                )
         plp = None
         if opts.sampling.prompt_logprobs is not None:
+            model = TokenModel(self.engine.config.vocab_size)
             plp = prompt_logprobs(
                 model, opts.sampling.seed, opts.prompt, opts.sampling.prompt_logprobs
             )
-        out: dict[str, Any] = {
-            "request_id": opts.engine_id,
-            "model": self.engine.config.model,
-            "created": int(time.time()),
-            "usage": {**self.usage(), "prompt_tokens_details": None},
-            "prompt_logprobs": plp,
-        }
-        if self.engine.profile == "new":
-            out.update(prompt_token_id_logprobs=None, prompt_token_ids=None,
-                       mm_placeholders=None, metrics=None)  # fmt: skip
-        out["kv_transfer_params"] = self.kv_transfer_out()
-        if self.engine.profile == "new":
-            out.update(ec_transfer_params=None, output_mode="tokens")
-        out["choices"] = choices
-        return out
+        return unary_body(
+            opts,
+            self.engine.profile,
+            model=self.engine.config.model,
+            samples=self.samples,
+            counts=self.usage(),
+            prompt_lps=plp,
+            kv_transfer_params=self.kv_transfer_out(),
+        )
 
     def kv_transfer_out(self) -> dict[str, Any] | None:
         """A P/D prefill's reply (NIXL connector `request_finished`): only for a request
