@@ -19,8 +19,8 @@ genmesh's rendering and parsing:
 - `/health`, `/health_generate`, `/get_model_info` (`/model_info`), `/get_server_info`
   (`/server_info`), `/v1/models`, `/flush_cache`.
 
-Tokens come from genmesh's deterministic token model (`genmesh.engines.
-mock`): the same tokens, logprobs and routed experts the mock worker engine produces.
+Tokens come from genmesh's deterministic token model (`genmesh.engines.mock`): the same
+tokens, logprobs and routed experts the mock worker engine produces.
 Tests inject faults and read state through the `/testkit/` routes of
 `genmesh.testkit.common`.
 

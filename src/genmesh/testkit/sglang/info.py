@@ -14,7 +14,6 @@ from genmesh.testkit.sglang.schedule import Scheduler
 
 # The SGLang release this mock imitates: `--incremental-streaming-output` era (sglang#20614).
 SGLANG_VERSION = "0.5.10"
-
 # What the KV pool would hold; only reported by /get_server_info.
 MAX_TOTAL_NUM_TOKENS = 1_048_576
 

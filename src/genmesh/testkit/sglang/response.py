@@ -26,9 +26,7 @@ from genmesh.testkit.sglang.normalize import Item
 from genmesh.testkit.sglang.request import JSON, Malformed
 
 WEIGHT_VERSION = "default"
-
 WAITING_ABORT = "Abort in waiting queue"
-
 DONE = b"data: [DONE]\n\n"
 
 

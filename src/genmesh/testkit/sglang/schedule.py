@@ -1,8 +1,12 @@
 """The mock SGLang scheduler: admission, the waiting queue, prefill, decode steps, aborts.
 
 Each `Item` runs as a `Generation`, which pushes `Event`s to the HTTP handler: stream
-chunks, the final output, or an injected transport fault for the handler to act on.
-Tokens come from genmesh's deterministic token model (`genmesh.engines.mock`).
+chunks, the final output, or an injected transport fault for the handler to act on. A
+generation spends the token delay in the waiting queue (aborted there, it finishes with
+`Abort in waiting queue`); a request that failed the scheduler's own checks finishes after
+one forward pass with a 400 abort finish reason; the others decode until
+`Req.check_finished` ends them: an abort, the length cap, a stop token. Aborts match rids
+by prefix. Tokens come from genmesh's deterministic token model (`genmesh.engines.mock`).
 """
 
 from __future__ import annotations

@@ -35,15 +35,12 @@ from genmesh.testkit.vllm.response import (
 from genmesh.testkit.vllm.schedule import ClientGone, Engine, Run
 
 Profile = Literal["new", "old"]
-
 PROFILES: tuple[str, ...] = ("new", "old")
 
 VLLM_VERSION = "0.20.0+genmesh.mock"
-
 _REQUEST_LOG_LIMIT = 1000
 
 ENGINE = web.AppKey("vllm_engine", Engine)
-
 REQUEST_LOG = web.AppKey("vllm_request_log", deque[dict[str, Any]])
 
 

@@ -32,7 +32,6 @@ from genmesh.testkit.vllm.sampling import (
 )
 
 GENERATE_PATH = "/inference/v1/generate"
-
 ENGINE_ID_PREFIX = "generate-tokens-"
 
 # vLLM's `--max-logprobs` default.

@@ -121,13 +121,9 @@ def logprob_content(step: Step, k: int, profile: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------- chunks, bodies
 
 
-def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    total = prompt_tokens + completion_tokens
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": total,
-        "completion_tokens": completion_tokens,
-    }
+def usage_counts(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion}  # fmt: skip
 
 
 def chunk(options: GenerateOptions, profile: str, sample: Sample, step: Step | None) -> JSON:
@@ -167,8 +163,12 @@ def chunk(options: GenerateOptions, profile: str, sample: Sample, step: Step | N
 
 def usage_chunk(options: GenerateOptions, counts: dict[str, Any]) -> JSON:
     """The last event before `[DONE]` when `stream_options` asks for usage."""
-    return {"request_id": options.engine_id, "usage": counts, "output_mode": "tokens",
-            "choices": []}  # fmt: skip
+    return {
+        "request_id": options.engine_id,
+        "usage": counts,
+        "output_mode": "tokens",
+        "choices": [],
+    }
 
 
 def unary_body(

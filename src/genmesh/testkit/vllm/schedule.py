@@ -1,4 +1,5 @@
-"""One accepted generate request in the mock vLLM server, from first decode step to last byte.
+"""The mock vLLM engine: its running requests (admission, aborts by id) and the run of
+one accepted generate request, from its first decode step to its last byte.
 
 Faults (`genmesh.testkit.common`), consulted once per generate request that passed
 validation, fire after `after_tokens` decode steps (if the generation lasts that long):
@@ -40,7 +41,6 @@ from genmesh.testkit.vllm.response import (
 )
 
 KV_BLOCK_SIZE = 16
-
 NIXL_SIDE_CHANNEL_PORT = 5600
 
 
