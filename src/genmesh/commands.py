@@ -196,9 +196,9 @@ async def _testkit(engine: str, config: Any, host: str, port: int) -> None:
     from genmesh.testkit import serving
 
     if engine == "sglang":
-        from genmesh.testkit.sglang_server import build_app
+        from genmesh.testkit.sglang import build_app
     else:
-        from genmesh.testkit.vllm_server import build_app
+        from genmesh.testkit.vllm import build_app
     async with stop_signals() as stop, serving(build_app(config), host, port) as url:
         print(f"mock {engine} server listening on {url}", flush=True)
         await stop.wait()

@@ -103,13 +103,13 @@ async def harness(name: str) -> AsyncIterator[Harness]:
     )
     if name.startswith("sglang"):
         from genmesh.engines.sglang import SglangEngine
-        from genmesh.testkit.sglang_server import build_app
+        from genmesh.testkit.sglang import build_app
 
         def make(url: str) -> Engine:
             return SglangEngine(HttpEngineConfig(url, read_timeout_s=10))
     else:
         from genmesh.engines.vllm import VllmEngine
-        from genmesh.testkit.vllm_server import build_app
+        from genmesh.testkit.vllm import build_app
 
         def make(url: str) -> Engine:
             return VllmEngine(HttpEngineConfig(url, read_timeout_s=10))

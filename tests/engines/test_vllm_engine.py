@@ -32,7 +32,7 @@ from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.testkit import serving
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.vllm_server import build_app, state_of
+from genmesh.testkit.vllm import build_app, state_of
 
 VOCAB, EOS = 1000, 7
 PROMPT = [11, 22, 33, 44, 55, 66]

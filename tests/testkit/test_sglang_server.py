@@ -1,4 +1,4 @@
-"""The mock SGLang server (`genmesh.testkit.sglang_server`) against SGLang's wire contract.
+"""The mock SGLang server (`genmesh.testkit.sglang`) against SGLang's wire contract.
 
 Reference: `engine-apis.md` §A and the checklist §E "SGLang mock". Every test runs the
 app in-process on a real socket and talks to it with aiohttp.
@@ -34,7 +34,7 @@ from genmesh.engines.mock import (
 )
 from genmesh.testkit import serving
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.sglang_server import build_app
+from genmesh.testkit.sglang import build_app
 from tests.mesh import free_port
 
 VOCAB = 1000

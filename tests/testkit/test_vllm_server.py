@@ -1,4 +1,4 @@
-"""The mock vLLM server (`genmesh.testkit.vllm_server`): vLLM's token-in/token-out
+"""The mock vLLM server (`genmesh.testkit.vllm`): vLLM's token-in/token-out
 `/inference/v1/generate` as `engine-apis.md` §B and the §E "vLLM mock" checklist describe
 it, over real sockets, generating exactly what the mock worker engine generates."""
 
@@ -25,7 +25,7 @@ from genmesh.engines.faults import ServerState
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.testkit import serving
 from genmesh.testkit.common import MockServerConfig
-from genmesh.testkit.vllm_server import build_app, state_of
+from genmesh.testkit.vllm import build_app, state_of
 from tests.mesh import free_port, wait_until
 
 VOCAB, EOS, CONTEXT = 1000, 7, 256
