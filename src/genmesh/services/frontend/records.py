@@ -168,6 +168,53 @@ class _Item:
     def cached_tokens(self) -> int | None:
         return self.summary.cached_tokens if len(self.attempts) == 1 else self.cached
 
+    def entry(self, index: int, hashes: list[str]) -> Record:
+        """This generation's entry in the record's `items`."""
+        envelope, summary = self.envelope, self.summary
+        tokens = summary.token_ids or []
+        error_type: str | None = None
+        message: str | None = None
+        finish = (summary.finish_reason or "unknown") if summary.finished else None
+        if finish is None and summary.error is not None:
+            error_type = str(summary.error.get("code"))
+            message = str(summary.error.get("message") or "")
+        elif finish is None:  # the handler closed its stream: client gone, another item failed
+            error_type = CANCELLED
+        entry: Record = {
+            "index": index,
+            "private_id": envelope.id,
+            "client_id": envelope.client_id,
+            "prompt_tokens": len(envelope.token_ids),
+            "prompt_block_hashes": hashes,
+            "workers": list(dict.fromkeys(a.worker for a in self.attempts if a.worker)),
+            "attempts": self._attempt_entries(len(tokens)),
+            "output_tokens": len(tokens),
+            "output_hash": output_hash(tokens),
+            "finish_reason": finish,
+            "error_type": error_type,
+            "cached_tokens": self.cached_tokens,
+        }
+        if message:
+            entry["error_message"] = message
+        return entry
+
+    def _attempt_entries(self, tokens: int) -> list[Record]:
+        entries = []
+        for i, attempt in enumerate(self.attempts):
+            following = self.attempts[i + 1] if i + 1 < len(self.attempts) else None
+            end = tokens if following is None else following.first_token
+            entry: Record = {
+                "attempt": attempt.number,
+                "private_id": attempt_id(self.envelope.id, attempt.number),
+                "worker": attempt.worker,
+                "dispatch": attempt.dispatch,
+                "output_tokens": end - attempt.first_token,
+            }
+            if attempt.reason is not None:
+                entry["migration_reason"] = attempt.reason
+            entries.append(entry)
+        return entries
+
 
 class RequestRecording:
     """The `RequestObserver` of one request."""
@@ -211,69 +258,15 @@ class RequestRecording:
         now = time.monotonic()
         info = self.info
         owner = self.owner
-        payload = owner.payload
         hashes_of: dict[int, list[str]] = {}  # n > 1 samples share their prompt's list
         items: list[Record] = []
-        payload_items: list[Record] = []
-        total_in = total_out = total_cached = total_attempts = 0
         for index, item in enumerate(self.items):
-            envelope = item.envelope
-            prompt = envelope.token_ids
+            prompt = item.envelope.token_ids
             hashes = hashes_of.get(id(prompt))
             if hashes is None:
                 hashes = hashes_of[id(prompt)] = block_hashes(prompt, owner.block_size)
-            summary = item.summary
-            tokens = summary.token_ids or []
-            attempts = []
-            workers: list[str] = []
-            for i, at in enumerate(item.attempts):
-                following = item.attempts[i + 1] if i + 1 < len(item.attempts) else None
-                end = len(tokens) if following is None else following.first_token
-                attempt: Record = {
-                    "attempt": at.number,
-                    "private_id": attempt_id(envelope.id, at.number),
-                    "worker": at.worker,
-                    "dispatch": at.dispatch,
-                    "output_tokens": end - at.first_token,
-                }
-                if at.reason is not None:
-                    attempt["migration_reason"] = at.reason
-                attempts.append(attempt)
-                if at.worker is not None and at.worker not in workers:
-                    workers.append(at.worker)
-            finish = (summary.finish_reason or "unknown") if summary.finished else None
-            item_error: str | None
-            message: str | None
-            if finish is not None:
-                item_error, message = None, None
-            elif summary.error is not None:
-                item_error = str(summary.error.get("code"))
-                message = str(summary.error.get("message") or "")
-            else:  # the handler closed its stream: client gone, another item failed, ...
-                item_error, message = CANCELLED, None
-            entry: Record = {
-                "index": index,
-                "private_id": envelope.id,
-                "client_id": envelope.client_id,
-                "prompt_tokens": len(prompt),
-                "prompt_block_hashes": hashes,
-                "workers": workers,
-                "attempts": attempts,
-                "output_tokens": len(tokens),
-                "output_hash": output_hash(tokens),
-                "finish_reason": finish,
-                "error_type": item_error,
-                "cached_tokens": item.cached_tokens,
-            }
-            if message:
-                entry["error_message"] = message
-            items.append(entry)
-            if payload:
-                payload_items.append({"prompt_token_ids": prompt, "output_token_ids": tokens})
-            total_in += len(prompt)
-            total_out += len(tokens)
-            total_cached += item.cached_tokens or 0
-            total_attempts += len(attempts)
+            items.append(item.entry(index, hashes))
+        attempts = sum(len(entry["attempts"]) for entry in items)
         record: Record = {
             "schema": SCHEMA,
             "event_time_unix_ms": int(time.time() * 1000),
@@ -294,20 +287,26 @@ class RequestRecording:
             },
             "totals": {
                 "items": len(items),
-                "input_tokens": total_in,
-                "output_tokens": total_out,
-                "cached_tokens": total_cached,
-                "attempts": total_attempts,
-                "migrations": total_attempts - len(items),
+                "input_tokens": sum(entry["prompt_tokens"] for entry in items),
+                "output_tokens": sum(entry["output_tokens"] for entry in items),
+                "cached_tokens": sum(entry["cached_tokens"] or 0 for entry in items),
+                "attempts": attempts,
+                "migrations": attempts - len(items),
             },
             "hashing": owner.hashing,
             "items": items,
         }
-        if payload:
+        if owner.payload:
             record["payload"] = {
                 **_body(info.body),
                 "headers": _headers(info.headers),
-                "items": payload_items,
+                "items": [
+                    {
+                        "prompt_token_ids": item.envelope.token_ids,
+                        "output_token_ids": item.summary.token_ids or [],
+                    }
+                    for item in self.items
+                ],
             }
         return record
 
