@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from genmesh.services.frontend.serve import FrontendOptions
+from genmesh.services.frontend.config import FrontendConfig
+from genmesh.shared.connection import MeshConnection
 from genmesh.shared.ids import new_worker_id
 
 
@@ -286,16 +287,8 @@ def start_mesh(
     return mesh
 
 
-def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendOptions:
-    """Options for an in-process frontend (`start_frontend`) on a free port."""
-    defaults: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "generate_format": "sglang",
-        "codec": "msgpack",
-        "model": "m",
-        "body_limit_mb": 1,
-        "ack_timeout_s": 2,
-        "idle_timeout_s": 60,
-    }
-    return FrontendOptions(nats_url=nats_url, namespace=namespace, **(defaults | overrides))
+def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendConfig:
+    """The config of an in-process frontend (`start_frontend`) on a free port."""
+    mesh = MeshConnection(nats_url=nats_url, namespace=namespace)
+    defaults: dict[str, Any] = {"port": 0, "model": "m", "body_limit_mb": 1}
+    return FrontendConfig(mesh=mesh, **(defaults | overrides))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -10,18 +9,62 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
-from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable, connect, redact
-from genmesh.shared.ids import new_worker_id
+from genmesh.cli import command_argv
+from genmesh.services.frontend.config import FrontendConfig
+from genmesh.services.router.config import RouterConfig
+from genmesh.services.worker.config import WorkerProcessConfig
+from genmesh.shared.bus import (
+    NO_AUTH,
+    NatsAuth,
+    NatsAuthError,
+    NatsUnreachable,
+    connect,
+    nats_auth_group,
+    redact,
+)
+from genmesh.shared.connection import MeshConnection
+from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.lifecycle import STOP_SIGNALS
+from genmesh.shared.metrics import MetricsConfig
 from genmesh.shared.natsserver import NatsServer, NatsServerError
+from genmesh.shared.settings import group, option, positive_int, variables
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """`genmesh up`: the options of the services it starts, re-used from their own
+    declarations, and its own: how many of each, engine URLs, the first metrics port."""
+
+    mesh: MeshConnection = group(MeshConnection(nats_url=""))  # "": start an embedded one
+    auth: NatsAuth = nats_auth_group()
+    frontend: FrontendConfig = group(FrontendConfig(), only=("host", "port"))
+    workers: int = option(2, help="number of worker processes")
+    routers: int = option(1, parse=positive_int, help="number of router processes")
+    router: RouterConfig = group(RouterConfig(), only=("policy",))
+    worker: WorkerProcessConfig = group(
+        WorkerProcessConfig(),
+        only=("engine", "service.max_concurrency", "service.drain_timeout_s", "mock"),
+    )
+    engine_urls: tuple[str, ...] = option(
+        (),
+        flag="--engine-url",
+        repeat=True,
+        help="HTTP address of an SGLang/vLLM server; repeat for several, one worker each",
+    )
+    metrics_port: int = option(
+        0,
+        flag="--metrics-port",
+        help="first Prometheus metrics port: routers, then workers, get one each from it; 0 = off",
+    )
+    metrics: MetricsConfig = group(MetricsConfig(), only=("host",))
 
 
 @dataclass
@@ -39,13 +82,11 @@ def _say(message: str) -> None:
     print(f"genmesh up: {message}", file=sys.stderr, flush=True)
 
 
-async def _spawn(
-    role: str, label: str, args: list[str], env: dict[str, str] | None = None
-) -> Child:
+async def _spawn(role: str, label: str, config: Any, env: dict[str, str]) -> Child:
     # A session of its own: a terminal's Ctrl-C (SIGINT to the whole foreground process
     # group) reaches only `genmesh up`, which stops the services in order, NATS last.
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "genmesh", role, *args,
+        sys.executable, "-m", "genmesh", *command_argv(config),
         stdin=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
     )  # fmt: skip
     return Child(role, label, process)
@@ -115,32 +156,43 @@ async def _watch(children: list[Child], stop: asyncio.Event) -> bool:
             fut.cancel()
 
 
-def _worker_plans(args: argparse.Namespace) -> list[list[str]]:
-    """The engine arguments of each worker: --workers mocks, or one worker per engine URL."""
-    urls = args.engine_url or args.engine_url_env
-    if args.engine == "mock":
+def _worker_configs(config: UpConfig, nats_url: str) -> list[WorkerProcessConfig]:
+    """One config per worker: --workers mocks, or one worker per engine URL."""
+    urls = config.engine_urls
+    engine = config.worker.engine
+    if engine == "mock":
         if urls:
             raise ValueError("--engine-url needs --engine sglang or --engine vllm")
-        return [[] for _ in range(args.workers)]
-    if not urls:
-        raise ValueError(f"--engine {args.engine} needs --engine-url (repeat it for several)")
-    return [["--engine-url", url] for url in urls]
+        plans: list[str | None] = [None] * config.workers
+    elif not urls:
+        raise ValueError(f"--engine {engine} needs --engine-url (repeat it for several)")
+    else:
+        plans = list(urls)
+    return [
+        replace(
+            config.worker,
+            mesh=replace(config.mesh, nats_url=nats_url),
+            service=replace(config.worker.service, worker_id=new_worker_id()),
+            engine_url=url,
+        )
+        for url in plans
+    ]
 
 
-async def _up(args: argparse.Namespace) -> int:
-    try:
-        plans = _worker_plans(args)
-    except ValueError as exc:
-        _say(str(exc))
-        return 2
+def child_environment(config: UpConfig) -> dict[str, str]:
+    """Ours, less every variable `genmesh up` read itself (what it resolved travels on the
+    children's command lines: an inherited GENMESH_METRICS_PORT or GENMESH_PORT must not
+    reach them), plus the credentials, which travel only in the environment."""
+    own = set(variables(UpConfig))
+    return {k: v for k, v in os.environ.items() if k not in own} | config.auth.to_env()
+
+
+async def _up(config: UpConfig) -> int:
     server: NatsServer | None = None
-    auth = NatsAuth.from_args(args)
-    # Children get the credentials in their environment, never on their command line;
-    # exactly ours (flags and variables resolved), none of the inherited variables.
-    auth_vars = {"GENMESH_NATS_" + f.upper() for f in NatsAuth.__dataclass_fields__}
-    child_env = {k: v for k, v in os.environ.items() if k not in auth_vars} | auth.to_env()
-    if args.nats_url:
-        url = args.nats_url
+    auth = config.auth
+    child_env = child_environment(config)
+    if config.mesh.nats_url:
+        url = config.mesh.nats_url
         try:
             await _probe_nats(url, auth)
         except (NatsUnreachable, NatsAuthError) as exc:
@@ -153,24 +205,20 @@ async def _up(args: argparse.Namespace) -> int:
         except NatsServerError as exc:
             _say(str(exc))
             return 2
+    try:
+        workers = _worker_configs(config, url)
+    except ValueError as exc:
+        _say(str(exc))
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+        return 2
+    mesh = replace(config.mesh, nats_url=url)
+    metrics_ports = itertools.count(config.metrics_port)
 
-    common = ["--nats-url", url, "--namespace", args.namespace, "--log-level", args.log_level]
-    worker_args = [
-        "--engine", args.engine,
-        "--drain-timeout", str(args.drain_timeout),
-        "--max-concurrency", str(args.max_concurrency),
-        "--mock-speedup", str(args.mock_speedup),
-        "--mock-model", args.mock_model,
-        "--mock-vocab-size", str(args.mock_vocab_size),
-        "--mock-eos-token-id", str(args.mock_eos_token_id),
-        "--mock-max-model-len", str(args.mock_max_model_len),
-    ]  # fmt: skip
-    # Explicit on every child, so an inherited GENMESH_METRICS_PORT cannot make them collide.
-    metrics_ports = itertools.count(args.metrics_port)
-
-    def metrics_args() -> list[str]:
-        port = next(metrics_ports) if args.metrics_port else 0
-        return ["--metrics-host", args.metrics_host, "--metrics-port", str(port)]
+    def metrics() -> MetricsConfig:
+        # Explicit on every child, so that no two of them collide.
+        port = next(metrics_ports) if config.metrics_port else 0
+        return replace(config.metrics, port=port)
 
     children: list[Child] = []
     stop = asyncio.Event()
@@ -178,34 +226,22 @@ async def _up(args: argparse.Namespace) -> int:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     try:
-        for i in range(args.routers):
-            children.append(
-                await _spawn(
-                    "router",
-                    f"router {i + 1}",
-                    [*common, "--router-policy", args.router_policy, *metrics_args()],
-                    child_env,
-                )
+        for _ in range(config.routers):
+            router = replace(
+                config.router,
+                mesh=mesh,
+                auth=NO_AUTH,
+                router_id=new_router_id(),
+                metrics=metrics(),
             )
-        for plan in plans:
-            wid = new_worker_id()
-            children.append(
-                await _spawn(
-                    "worker",
-                    f"worker {wid}",
-                    [*common, "--worker-id", wid, *worker_args, *plan, *metrics_args()],
-                    child_env,
-                )
-            )
-        children.append(
-            await _spawn(
-                "frontend",
-                "frontend",
-                [*common, "--host", args.host, "--port", str(args.port)],
-                child_env,
-            )
-        )
-        http_url = f"http://{args.host}:{args.port}"
+            children.append(await _spawn("router", f"router {router.router_id}", router, child_env))
+        for worker in workers:
+            worker = replace(worker, auth=NO_AUTH, metrics=metrics())
+            label = f"worker {worker.service.worker_id}"
+            children.append(await _spawn("worker", label, worker, child_env))
+        frontend = replace(config.frontend, mesh=mesh, auth=NO_AUTH)
+        children.append(await _spawn("frontend", "frontend", frontend, child_env))
+        http_url = f"http://{frontend.host}:{frontend.port}"
         ready = asyncio.ensure_future(_wait_ready(http_url, children))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -217,13 +253,13 @@ async def _up(args: argparse.Namespace) -> int:
         if not_ready:
             _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({not_ready}); stopping")
             return 1
-        _print_summary(url, server, children, http_url, args)
+        _print_summary(url, server, children, http_url, config)
         return 1 if await _watch(children, stop) else 0
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         _say("stopping")
-        await _stop(children, args.drain_timeout)
+        await _stop(children, config.worker.service.drain_timeout_s)
         if server is not None:
             await asyncio.to_thread(server.stop)
         _say("stopped")
@@ -234,11 +270,11 @@ def _print_summary(
     server: NatsServer | None,
     children: list[Child],
     http_url: str,
-    args: argparse.Namespace,
+    config: UpConfig,
 ) -> None:
     origin = f"embedded, pid {server.pid}" if server else "external"
     lines = [
-        f"genmesh is up (namespace {args.namespace!r})",
+        f"genmesh is up (namespace {config.mesh.namespace!r})",
         f"  NATS      {redact(nats_url)}  ({origin})",
     ]
     for child in children:
@@ -256,5 +292,5 @@ def _print_summary(
     print("\n".join(lines), flush=True)
 
 
-def run_up(args: argparse.Namespace) -> int:
-    return asyncio.run(_up(args))
+def run_up(config: UpConfig) -> int:
+    return asyncio.run(_up(config))
