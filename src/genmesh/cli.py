@@ -29,8 +29,20 @@ class Command:
     help: str
     config: str = ""  # "module:Class" of its typed config
     description: str | None = None
-    epilog: str | None = None  # "module:function" returning more help text
+    epilog: str | None = None  # more help text
+    epilog_from: str | None = None  # "module:function" returning more help text
     actions: dict[str, Command] = field(default_factory=dict)  # `trace check`, ...
+
+    def full_epilog(self) -> str | None:
+        parts = [self.epilog, _load(self.epilog_from)() if self.epilog_from else None]
+        return "\n\n".join(p for p in parts if p) or None
+
+
+# Read by the OpenTelemetry SDK (shared/tracing.py), not declared as options.
+TRACING = (
+    "traces: the standard OTEL_* variables, e.g. OTEL_TRACES_EXPORTER=otlp|console and\n"
+    "OTEL_EXPORTER_OTLP_ENDPOINT (docs/observability.md)"
+)
 
 
 COMMANDS: dict[str, Command] = {
@@ -41,16 +53,21 @@ COMMANDS: dict[str, Command] = {
         "routers, mock workers and the HTTP frontend, each its own process so they can be "
         "killed one by one. Ctrl-C or SIGTERM stops everything. Each service also reads its "
         "own variables (genmesh frontend|router|worker --help).",
+        epilog=TRACING,
     ),
     "frontend": Command(
         "run the HTTP frontend",
         "genmesh.services.frontend.config:FrontendConfig",
-        epilog="genmesh.services.frontend.config:format_variables_help",
+        epilog=TRACING,
+        epilog_from="genmesh.services.frontend.config:format_variables_help",
     ),
-    "router": Command("run a router", "genmesh.services.router.config:RouterConfig"),
+    "router": Command(
+        "run a router", "genmesh.services.router.config:RouterConfig", epilog=TRACING
+    ),
     "worker": Command(
         "run a worker in front of an engine",
         "genmesh.services.worker.config:WorkerProcessConfig",
+        epilog=TRACING,
     ),
     "nats": Command("run the bundled NATS server", "genmesh.shared.natsserver:NatsServerConfig"),
     "testkit": Command(
@@ -87,6 +104,7 @@ COMMANDS: dict[str, Command] = {
         "genmesh.commands:RequestConfig",
         "Send one request envelope to the routers (or, with --worker, pinned to a worker) "
         "and print every reply frame as a JSON line. Exits 0 on `end`, 1 on `err`.",
+        epilog=TRACING,
     ),
 }
 
@@ -94,6 +112,12 @@ COMMANDS: dict[str, Command] = {
 def _load(ref: str) -> Any:
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def load_config_class(command: Command) -> type:
+    """The config class of `command` (imported now)."""
+    config: type = _load(command.config)
+    return config
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -127,7 +151,7 @@ def _command_parser(
         parser = argparse.ArgumentParser(
             prog=prog,
             description=command.description,
-            epilog=_load(command.epilog)() if command.epilog else None,
+            epilog=command.full_epilog(),
             formatter_class=_Formatter,
         )
     name = prog.removeprefix("genmesh ").replace(" ", "_")
@@ -140,7 +164,7 @@ def _command_parser(
             )
             _, readers[action] = _command_parser(f"{prog} {action}", sub, environ, sub_parser)
         return parser, lambda ns: readers[ns.action](ns)
-    options = ConfigOptions(_load(command.config))
+    options = ConfigOptions(load_config_class(command))
     options.add_to(parser, environ)
     return parser, lambda ns: (name, options.config(ns))
 
