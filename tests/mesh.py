@@ -103,6 +103,8 @@ class Mesh:
 
     def _wait_for_routers(self, routers: list[Service]) -> None:
         ids = [s.config.router_id for s in routers]
+        if not ids:
+            return
         run_blocking(
             wait_discovered(
                 self.nats_url,

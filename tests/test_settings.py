@@ -108,13 +108,13 @@ def test_every_config_comes_back_from_its_command_line(name: str) -> None:
 
 
 def test_defaults_need_no_arguments() -> None:
-    for name, config in EXAMPLES.items():
-        if name in ("testkit", "trace_check", "trace_replay", "worker", "router"):
-            continue
-        assert to_argv(type(config)()) == [], name
+    for config_class in (FrontendConfig, UpConfig, NatsServerConfig, RequestConfig):
+        assert to_argv(config_class()) == [], config_class
     # Made-up ids are always written out: the command line names the process.
     assert to_argv(RouterConfig(router_id="r7")) == ["--router-id", "r7"]
     assert to_argv(WorkerProcessConfig(service=WorkerConfig("w7"))) == ["--worker-id", "w7"]
+    # A required positional is always there.
+    assert to_argv(TestkitConfig(engine="sglang")) == ["sglang"]
 
 
 def test_every_command_is_listed_with_a_config() -> None:
@@ -224,14 +224,29 @@ def test_defaults_as_today() -> None:
 
 
 def test_up_takes_the_services_declarations() -> None:
-    flags = {s.flag: s for s in specs(UpConfig)}
+    """`up` re-uses the services' declarations (the very same Option objects), except for
+    the two options whose meaning is its own."""
+    own = {"--engine-url", "--metrics-port"}  # several URLs; the first of many ports
+    taken = {s.flag: s.option for s in specs(UpConfig)}
+    shared = set()
     for config_class in (FrontendConfig, RouterConfig, WorkerProcessConfig):
         for spec in specs(config_class):
-            if spec.flag in flags:
-                assert flags[spec.flag].option is spec.option or spec.flag in (
-                    "--metrics-port",
-                    "--engine-url",
-                )
+            if spec.flag in taken and spec.flag not in own:
+                assert taken[spec.flag] is spec.option, spec.flag
+                shared.add(spec.flag)
+    assert {
+        "--nats-url",
+        "--nats-password",
+        "--host",
+        "--port",
+        "--router-policy",
+        "--engine",
+        "--max-concurrency",
+        "--drain-timeout",
+        "--mock-speedup",
+        "--metrics-host",
+    } <= shared
+    assert own <= set(taken)
 
 
 def test_from_env_reads_the_same_declarations() -> None:

@@ -14,8 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from genmesh import __version__
 
@@ -24,14 +23,13 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Command:
+class Command(NamedTuple):  # not a dataclass: `dataclasses` would double --help's imports
     help: str
     config: str = ""  # "module:Class" of its typed config
     description: str | None = None
     epilog: str | None = None  # more help text
     epilog_from: str | None = None  # "module:function" returning more help text
-    actions: dict[str, Command] = field(default_factory=dict)  # `trace check`, ...
+    actions: Mapping[str, Command] = {}  # `trace check`, ... (never changed)
 
     def full_epilog(self) -> str | None:
         parts = [self.epilog, _load(self.epilog_from)() if self.epilog_from else None]
