@@ -208,18 +208,14 @@ class Spec:
         return value
 
     def shown_default(self, value: Any) -> str:
-        """The `; default: Y` part of the help (never a secret's value)."""
-        if value is MISSING or value is None or value == "" or self.kind == "switch":
+        """The `default: Y` note of the help; a secret's value is never shown."""
+        if value is MISSING or value is None or value in ("", ()) or self.kind == "switch":
             return ""
         if self.option.secret:
-            return "; set"
+            return "set"
         if self.kind == "list":
-            return f"; default: {','.join(self.render(v) for v in value)}" if value else ""
-        return f"; default: {self.render(value)}"
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+            return f"default: {','.join(self.render(v) for v in value)}"
+        return f"default: {self.render(value)}"
 
 
 def _base_type(hint: Any) -> tuple[Any, bool]:
@@ -288,7 +284,7 @@ def _walk(
     """The options of `cls`. Defaults come from `instance` when there is one: a group's
     declared default, or (`given`) the instance a caller passed, whose made-up ids count
     as chosen values rather than ids to make anew."""
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         taken, inner_only = _split_only(only, f.name)
         if not taken:
@@ -406,7 +402,7 @@ class ConfigOptions:
             notes[0] += ", comma-separated"
         shown = spec.shown_default(spec.default if spec.kind == "list" else value)
         if shown:
-            notes.append(shown.lstrip("; "))
+            notes.append(shown)
         text = _escape(declared.help + (f" [{'; '.join(notes)}]" if notes else ""))
         if declared.positional:
             target.add_argument(
@@ -485,20 +481,6 @@ def _escape(text: str) -> str:
     return text.replace("%", "%%")  # argparse %-formats help texts
 
 
-def parser_for(
-    cls: type,
-    *,
-    prog: str,
-    environ: Mapping[str, str] | None = None,
-    defaults: Any = None,
-    **kwargs: Any,
-) -> tuple[argparse.ArgumentParser, ConfigOptions]:
-    parser = argparse.ArgumentParser(prog=prog, **kwargs)
-    options = ConfigOptions(cls, defaults)
-    options.add_to(parser, os.environ if environ is None else environ)
-    return parser, options
-
-
 def parse(
     cls: type[T],
     argv: Sequence[str],
@@ -509,7 +491,9 @@ def parse(
 ) -> T:
     """`cls` from command-line arguments and `environ` (default: ours); with `defaults`,
     options not given keep that instance's values instead of the declared defaults."""
-    parser, options = parser_for(cls, prog=prog, environ=environ, defaults=defaults)
+    parser = argparse.ArgumentParser(prog=prog)
+    options = ConfigOptions(cls, defaults)
+    options.add_to(parser, os.environ if environ is None else environ)
     config: T = options.config(parser.parse_args(list(argv)))
     return config
 
