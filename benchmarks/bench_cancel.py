@@ -31,7 +31,10 @@ from typing import Any
 
 import aiohttp
 
-from bench_generate import Processes, free_port, wait_http_ok
+from bench_generate import mesh_connection, start_mesh
+from genmesh.services.worker.config import WorkerProcessConfig
+from genmesh.supervisor import Supervisor, clean_environment, free_port, wait_http_ok
+from genmesh.testkit.common import MockServerConfig, TestkitConfig
 
 TRIAL_TIMEOUT_S = 5.0
 POLL_S = 0.05
@@ -91,25 +94,20 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[rank - 1]
 
 
-async def run(args: argparse.Namespace, procs: Processes) -> dict[str, Any]:
+async def run(args: argparse.Namespace, procs: Supervisor) -> dict[str, Any]:
     nats_url = procs.start_nats()
     engine_port, http_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     frontend_url = f"http://127.0.0.1:{http_port}"
-    procs.spawn(
-        "sglang",
-        [
-            "-m", "genmesh", "testkit", "sglang", "--port", str(engine_port),
-            "--token-delay-ms", str(args.token_delay_ms),
-        ],
-    )  # fmt: skip
+    server = MockServerConfig(token_delay_ms=args.token_delay_ms)
+    procs.spawn_genmesh("sglang", TestkitConfig(engine="sglang", port=engine_port, server=server))
     async with aiohttp.ClientSession() as session:
-        await wait_http_ok(session, engine_url + "/health", procs, "the SGLang mock")
-        engine = ("--engine", "sglang", "--engine-url", engine_url)
-        procs.spawn_service("worker", "worker", nats_url, *engine)
-        procs.spawn_service("router", "router", nats_url)
-        procs.spawn_service("frontend", "frontend", nats_url, "--port", str(http_port))
-        await wait_http_ok(session, frontend_url + "/health", procs, "the frontend")
+        await wait_http_ok(engine_url + "/health", watch=procs.children, what="the SGLang mock")
+        worker = WorkerProcessConfig(
+            mesh=mesh_connection(nats_url), engine="sglang", engine_url=engine_url
+        )
+        start_mesh(procs, nats_url, http_port, worker)
+        await wait_http_ok(frontend_url + "/health", watch=procs.children, what="the frontend")
 
         latencies: list[float] = []
         firsts: list[float] = []
@@ -163,13 +161,13 @@ def main() -> int:
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="genmesh-bench-cancel-"))
-    procs = Processes(workdir)
+    procs = Supervisor(logdir=workdir, env=clean_environment(prefixes=("GENMESH_",)))
     failed = True
     try:
         result = asyncio.run(run(args, procs))
         failed = False
     finally:
-        procs.stop_all()
+        procs.stop()
         if failed or args.keep_logs:
             print(f"logs: {workdir}", file=sys.stderr)
         else:

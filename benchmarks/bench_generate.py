@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import json
 import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,149 +38,52 @@ import nats
 
 from genmesh.client import request as mesh_request
 from genmesh.codecs import CodecError, get_codec
+from genmesh.engines.mock import MockConfig
+from genmesh.services.frontend.config import FrontendConfig
+from genmesh.services.router.config import RouterConfig
+from genmesh.services.worker.config import WorkerConfig, WorkerProcessConfig
+from genmesh.shared.connection import MeshConnection
 from genmesh.shared.ids import new_worker_id
-from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
+from genmesh.supervisor import (
+    ChildExited,
+    Supervisor,
+    clean_environment,
+    free_port,
+    wait_discovered,
+    wait_http_ok,
+)
 
 HERE = Path(__file__).resolve().parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 60.0
-MESH_PROCS = ("frontend", "router", "worker", "nats")
+MESH_PROCS = ("frontend", "router", "worker")  # and nats
 NAMESPACE = "bench"
 
 
 # --------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def mesh_connection(nats_url: str) -> MeshConnection:
+    return MeshConnection(nats_url, NAMESPACE, log_level="warning")
 
 
-def _load_prctl() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
+def instant_worker(nats_url: str, **service: Any) -> WorkerProcessConfig:
+    """A mock worker; at speed-up 0 unless `mock` says otherwise."""
+    mock = service.pop("mock", MockConfig(speedup=0.0))
+    return WorkerProcessConfig(
+        mesh=mesh_connection(nats_url), service=WorkerConfig(**service), mock=mock
+    )
 
 
-# Resolved here, in the parent: the child between fork and exec only calls it.
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it if the benchmark dies without cleaning up."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-
-@dataclass
-class Proc:
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path | None
-    stopped: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.stopped = True
-        if not self.alive:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-class Processes:
-    """Every process the benchmark starts; `stop_all` ends them in a sensible order."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[Proc] = []
-        self.nats: NatsServer | None = None
-
-    def start_nats(self) -> str:
-        self.nats = NatsServer()
-        url = self.nats.start()
-        assert self.nats.process is not None
-        self.procs.append(Proc("nats", self.nats.process, None))
-        return url
-
-    def spawn(self, name: str, args: list[str]) -> Proc:
-        log_path = self.workdir / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                # Ctrl-C reaches only the benchmark, which then stops everything in order.
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        proc = Proc(name, process, log_path)
-        self.procs.append(proc)
-        return proc
-
-    def spawn_service(self, name: str, role: str, nats_url: str, *args: str) -> Proc:
-        return self.spawn(
-            name,
-            [
-                "-m", "genmesh", role,
-                "--nats-url", nats_url, "--namespace", NAMESPACE, "--log-level", "warning",
-                *args,
-            ],
-        )  # fmt: skip
-
-    def get(self, name: str) -> Proc:
-        return next(p for p in self.procs if p.name == name)
-
-    def dead(self) -> list[Proc]:
-        """Processes that exited without being asked to."""
-        return [p for p in self.procs if not p.stopped and not p.alive]
-
-    def check_alive(self) -> None:
-        dead = self.dead()
-        if dead:
-            logs = "\n".join(
-                f"===== {p.name} (exit code {p.process.returncode}) =====\n{p.log_tail()}"
-                for p in dead
-            )
-            raise RuntimeError(f"benchmark process(es) died:\n{logs}")
-
-    def stop_all(self) -> None:
-        order = ("frontend", "router", "direct", "worker", "slow-worker")
-        for name in order:
-            for proc in self.procs:
-                if proc.name == name:
-                    proc.stop()
-        for proc in self.procs:
-            if proc.name != "nats":
-                proc.stop()
-        if self.nats is not None:
-            self.nats.stop()
-            self.nats = None
+def start_mesh(procs: Supervisor, nats_url: str, http_port: int, *workers: Any) -> None:
+    """1 router, the workers given (an instant mock if none), a frontend on `http_port`."""
+    mesh = mesh_connection(nats_url)
+    procs.spawn_genmesh("router", RouterConfig(mesh=mesh))
+    for worker in workers or (instant_worker(nats_url),):
+        procs.spawn_genmesh("worker", worker)
+    procs.spawn_genmesh("frontend", FrontendConfig(mesh=mesh, host="127.0.0.1", port=http_port))
 
 
 def cpu_ticks(pid: int) -> int:
@@ -322,7 +222,7 @@ async def run_load(
     concurrency: int,
     prompt_tokens: int,
     output_tokens: int,
-    procs: Processes,
+    procs: Supervisor,
     measure: bool = True,
 ) -> RunResult:
     """A closed loop: `concurrency` clients, each sending its next request when one ends."""
@@ -355,11 +255,13 @@ async def run_load(
         done, _ = await asyncio.wait({load}, timeout=0.5)
         if done:
             break
-        if procs.dead():
+        try:
+            procs.check_alive()
+        except ChildExited:
             load.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await load
-            procs.check_alive()
+            raise
     load.result()
     wall = time.perf_counter() - start
     client_after = os.times()
@@ -386,21 +288,7 @@ async def run_load(
 # --------------------------------------------------------------------------- readiness
 
 
-async def wait_http_ok(
-    session: aiohttp.ClientSession, url: str, procs: Processes, what: str
-) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{what} did not answer 200 on {url} within {READY_TIMEOUT_S:g}s")
-
-
-async def wait_generate_ok(target: Target, procs: Processes) -> None:
+async def wait_generate_ok(target: Target, procs: Supervisor) -> None:
     """One request end to end (the router may learn of the worker after the frontend)."""
     assert target.session is not None
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -416,14 +304,6 @@ async def wait_generate_ok(target: Target, procs: Processes) -> None:
             last = str(exc)
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{target.name}: /generate did not succeed: {last}")
-
-
-async def worker_known(session: aiohttp.ClientSession, http_url: str, worker_id: str) -> bool:
-    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        async with session.get(http_url + "/get_server_info") as resp:
-            info = await resp.json()
-            return worker_id in {w["id"] for w in info["genmesh"]["workers"]}
-    return False
 
 
 # --------------------------------------------------------------------------- cancellation
@@ -667,12 +547,14 @@ def say(message: str) -> None:
 
 
 async def bench(
-    args: argparse.Namespace, procs: Processes, nats_url: str, ports: dict[str, int]
+    args: argparse.Namespace, procs: Supervisor, nats_url: str, ports: dict[str, int]
 ) -> dict[str, Any]:
+    assert procs.nats is not None
+    assert procs.nats.pid is not None
     mesh = Target(
         "mesh",
         f"http://127.0.0.1:{ports['frontend']}",
-        {name: procs.get(name).pid for name in MESH_PROCS},
+        {name: procs.get(name).pid for name in MESH_PROCS} | {"nats": procs.nats.pid},
     )
     direct = Target(
         "direct", f"http://127.0.0.1:{ports['direct']}", {"direct": procs.get("direct").pid}
@@ -686,8 +568,10 @@ async def bench(
     try:
         assert mesh.session is not None
         assert direct.session is not None
-        await wait_http_ok(mesh.session, mesh.url + "/health", procs, "the frontend")
-        await wait_http_ok(direct.session, direct.url + "/health", procs, "the direct engine")
+        for target, what in ((mesh, "the frontend"), (direct, "the direct engine")):
+            await wait_http_ok(
+                target.url + "/health", timeout_s=READY_TIMEOUT_S, watch=procs.children, what=what
+            )
         await wait_generate_ok(mesh, procs)
         await wait_generate_ok(direct, procs)
         say("mesh and baseline are ready")
@@ -755,27 +639,18 @@ async def bench(
 
 
 async def run_cancel(
-    args: argparse.Namespace, procs: Processes, nats_url: str, mesh: Target
+    args: argparse.Namespace, procs: Supervisor, nats_url: str, mesh: Target
 ) -> dict[str, Any]:
     # Started only now: while it is up, the router would send it unpinned requests too.
     slow_id = "wslow" + new_worker_id()[1:]
-    procs.spawn_service(
-        "slow-worker",
-        "worker",
-        nats_url,
-        "--worker-id", slow_id,
-        "--mock-speedup", str(args.cancel_speedup),
-    )  # fmt: skip
-    assert mesh.session is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not await worker_known(mesh.session, mesh.url, slow_id):
-        procs.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the slow worker {slow_id} was not discovered")
-        await asyncio.sleep(0.1)
+    slow = instant_worker(nats_url, worker_id=slow_id, mock=MockConfig(speedup=args.cancel_speedup))
+    await asyncio.to_thread(procs.spawn_genmesh, "slow-worker", slow)
+    await wait_discovered(
+        nats_url, NAMESPACE, workers=[slow_id], timeout_s=READY_TIMEOUT_S, watch=procs.children
+    )
     say(f"cancel scenario: {args.cancel_trials} trials on worker {slow_id}")
     cancel = await cancel_scenario(nats_url, slow_id, args.cancel_trials, args.prompt_tokens)
-    procs.get("slow-worker").stop()
+    await asyncio.to_thread(procs.get("slow-worker").terminate, 10.0)
     return cancel
 
 
@@ -828,7 +703,7 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="genmesh-bench-"))
-    procs = Processes(workdir)
+    procs = Supervisor(logdir=workdir, env=clean_environment(prefixes=("GENMESH_",)))
     failed = True
     # SIGTERM ends the benchmark like Ctrl-C: through the finally below.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -837,21 +712,13 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         nats_url = procs.start_nats()
         ports = {"frontend": free_port(), "direct": free_port()}
-        procs.spawn_service("router", "router", nats_url)
-        procs.spawn_service("worker", "worker", nats_url, "--mock-speedup", "0")
-        procs.spawn_service(
-            "frontend",
-            "frontend",
-            nats_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(ports["frontend"]),
-        )
+        start_mesh(procs, nats_url, ports["frontend"])
         procs.spawn(
             "direct",
-            [str(HERE / "direct_engine.py"), "--host", "127.0.0.1", "--port", str(ports["direct"])],
-        )
+            "direct",
+            [sys.executable, str(HERE / "direct_engine.py"), "--host", "127.0.0.1",
+             "--port", str(ports["direct"])],
+        )  # fmt: skip
         say(f"started nats, router, worker, frontend, direct engine (logs in {workdir})")
         report = asyncio.run(bench(args, procs, nats_url, ports))
         env["loadavg_at_end"] = loadavg()
@@ -889,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C during the cleanup must not leave processes behind.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        procs.stop_all()
+        procs.stop()
         if failed or args.keep_logs:
             say(f"service logs kept in {workdir}")
         else:

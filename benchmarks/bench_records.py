@@ -43,10 +43,11 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.mesh import Mesh, Service, free_port, wait_until
+from tests.mesh import Mesh, Service
 
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
+from genmesh.supervisor import run_blocking, wait_http_ok
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROMPT = [(7 * i + 1) % 50_000 for i in range(32)]
@@ -64,15 +65,9 @@ def cpu_s(pid: int) -> float:
 
 
 def add_frontend(mesh: Mesh, name: str, env: dict[str, str]) -> tuple[Service, str]:
-    port = free_port()
-    service = mesh._spawn("frontend", name, ["--port", str(port), "--log-level", "info"], env)
-    url = f"http://127.0.0.1:{port}"
-    mesh.http_port = port
-    wait_until(
-        lambda: mesh._http_ok("/health") or not service.alive, timeout=30, what=f"{name} ready"
-    )
-    if not service.alive:
-        raise RuntimeError(f"{name} died:\n{service.log()}")
+    service = mesh.add_frontend("--log-level", "info", env=env, name=name)
+    url = mesh.http_url
+    run_blocking(wait_http_ok(url + "/health", timeout_s=30, watch=[service], what=name))
     return service, url
 
 

@@ -1,4 +1,6 @@
-"""Real meshes for tests: genmesh services as OS processes on a real nats-server.
+"""Real meshes for tests: genmesh services as OS processes on a real nats-server, run by
+the package's supervisor (`genmesh.supervisor`) with command lines derived from the
+services' configs.
 
 Synchronous on purpose, so a mesh can outlive one test's event loop (module-scoped
 fixtures). Each process logs to its own file; `Mesh.logs()` shows them when a test fails.
@@ -7,26 +9,35 @@ fixtures). Each process logs to its own file; `Mesh.logs()` shows them when a te
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from genmesh.services.frontend.serve import FrontendOptions
-from genmesh.shared.ids import new_worker_id
+from genmesh.services.frontend.config import FrontendConfig
+from genmesh.services.router.config import RouterConfig
+from genmesh.services.worker.config import WorkerConfig, WorkerProcessConfig
+from genmesh.shared.bus import NatsAuth
+from genmesh.shared.connection import MeshConnection
+from genmesh.shared.ids import new_router_id, new_worker_id
+from genmesh.shared.settings import from_env, parse
+from genmesh.supervisor import (
+    Child,
+    Supervisor,
+    clean_environment,
+    free_port,
+    run_blocking,
+    wait_discovered,
+    wait_http_ok,
+)
+from genmesh.testkit.common import TestkitConfig
 
+# A service of a test's mesh: a supervised child (kill, terminate, log, alive, pid).
+Service = Child
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["Mesh", "Service", "free_port", "frontend_options", "start_mesh", "wait_until"]
 
 
 def wait_until(
@@ -41,110 +52,73 @@ def wait_until(
 
 
 @dataclass
-class Service:
-    role: str
-    name: str
-    args: list[str]
-    log_path: Path
-    process: subprocess.Popen[bytes]
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: no goodbye, no cleanup, like a crash."""
-        if self.alive:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-    def terminate(self, timeout: float = 15.0) -> int:
-        if self.alive:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-
-@dataclass
 class Mesh:
     nats_url: str
     workdir: Path
     namespace: str = "test"
-    services: list[Service] = field(default_factory=list)
     http_port: int = 0
     # Variables for every genmesh process of the mesh (e.g. OTEL_*), under per-call `env`.
     env: dict[str, str] = field(default_factory=dict)
     # Per role ("frontend", "router", "worker"), variables over `env`: NATS credentials
     # (GENMESH_NATS_USER, GENMESH_NATS_PASSWORD, ...), so each role logs in as itself.
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Neither the runner's GENMESH_ settings nor its OTEL_ (tracing) ones leak in.
+    supervisor: Supervisor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(logdir=self.workdir, env=clean_environment())
+
+    @property
+    def services(self) -> list[Service]:
+        return self.supervisor.children
 
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def _spawn(
-        self, role: str, name: str, args: list[str], env: dict[str, str] | None = None
-    ) -> Service:
-        log_path = self.workdir / f"{name}.log"
-        full = [
-            sys.executable, "-m", "genmesh", role,
-            "--nats-url", self.nats_url, "--namespace", self.namespace,
-            "--log-level", "debug", *args,
-        ]  # fmt: skip
-        # Neither the runner's GENMESH_ settings nor its OTEL_ (tracing) ones leak in.
-        environment = {
-            k: v for k, v in os.environ.items() if not k.startswith(("GENMESH_", "OTEL_"))
-        }
-        environment.update(self.env)
-        environment.update(self.role_env.get(role, {}))
-        environment.update(env or {})
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                full,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=environment,
-            )
-        service = Service(role, name, full, log_path, process)
-        self.services.append(service)
-        return service
+    @property
+    def connection(self) -> MeshConnection:
+        return MeshConnection(self.nats_url, self.namespace, log_level="debug")
+
+    def _env(self, role: str, env: dict[str, str] | None = None) -> dict[str, str]:
+        return self.env | self.role_env.get(role, {}) | (env or {})
 
     def add_router(
         self, policy: str = "round_robin", *, wait: bool = True, extra_args: tuple[str, ...] = ()
     ) -> Service:
         n = sum(s.role == "router" for s in self.services)
-        service = self._spawn("router", f"router{n}", ["--router-policy", policy, *extra_args])
+        config = RouterConfig(mesh=self.connection, router_id=new_router_id(), policy=policy)
+        config = parse(RouterConfig, extra_args, environ={}, defaults=config)
+        service = self.supervisor.spawn_genmesh(f"router{n}", config, env=self._env("router"))
         if wait:
             self.wait_for_router(service)
         return service
 
     def wait_for_routers(self) -> None:
-        for service in self.services:
-            if service.role == "router":
-                self.wait_for_router(service)
+        self._wait_for_routers([s for s in self.services if s.role == "router" and not s.stopping])
 
-    @staticmethod
-    def wait_for_router(service: Service) -> None:
-        """A router is subscribed once it logs its subject."""
-        wait_until(
-            lambda: ".router.generate (policy" in service.log() or not service.alive,
-            timeout=20,
-            what=f"{service.name} to subscribe",
+    def wait_for_router(self, service: Service) -> None:
+        """A router is subscribed once it has announced its presence in discovery."""
+        self._wait_for_routers([service])
+
+    def _wait_for_routers(self, routers: list[Service]) -> None:
+        ids = [s.config.router_id for s in routers]
+        if not ids:
+            return
+        run_blocking(
+            wait_discovered(
+                self.nats_url,
+                self.namespace,
+                routers=ids,
+                auth=self._probe_auth(),
+                watch=routers,
+            )
         )
-        if not service.alive:
-            raise RuntimeError(f"{service.name} died:\n{service.log()}")
+
+    def _probe_auth(self) -> NatsAuth:
+        """The discovery probe logs in as a role that may watch discovery."""
+        role = self.role_env.get("frontend") or self.role_env.get("router") or {}
+        return from_env(NatsAuth, self.env | role)
 
     def add_worker(
         self,
@@ -163,38 +137,43 @@ class Mesh:
         extra_args: tuple[str, ...] = (),
     ) -> Service:
         wid = worker_id or new_worker_id()
-        args = ["--worker-id", wid, "--mock-speedup", str(speedup), "--engine", engine]
-        if engine_url is not None:
-            args += ["--engine-url", engine_url]
-        if testkit_faults:
-            args.append("--testkit-faults")
-        if drain_timeout is not None:
-            args += ["--drain-timeout", str(drain_timeout)]
-        if vocab_size is not None:
-            args += ["--mock-vocab-size", str(vocab_size)]
-        if eos_token_id is not None:
-            args += ["--mock-eos-token-id", str(eos_token_id)]
+        defaults = WorkerProcessConfig()
+        service = WorkerConfig(wid)
         if max_concurrency is not None:
-            args += ["--max-concurrency", str(max_concurrency)]
+            service = replace(service, max_concurrency=max_concurrency)
         if heartbeat is not None:
-            args += ["--heartbeat-interval", str(heartbeat)]
-        service = self._spawn("worker", wid, [*args, *extra_args])
+            service = replace(service, heartbeat_interval_s=heartbeat)
+        if drain_timeout is not None:
+            service = replace(service, drain_timeout_s=drain_timeout)
+        mock = replace(defaults.mock, speedup=speedup)
+        if vocab_size is not None:
+            mock = replace(mock, vocab_size=vocab_size)
+        if eos_token_id is not None:
+            mock = replace(mock, eos_token_id=eos_token_id)
+        config = WorkerProcessConfig(
+            mesh=self.connection,
+            service=service,
+            engine=engine,
+            engine_url=engine_url,
+            mock=mock,
+            testkit_faults=testkit_faults,
+        )
+        config = parse(WorkerProcessConfig, extra_args, environ={}, defaults=config)
+        child = self.supervisor.spawn_genmesh(wid, config, env=self._env("worker"))
         if wait and self.http_port:
             self.wait_for_workers(lambda ids: wid in ids, what=f"worker {wid} to be known")
-        return service
+        return child
 
-    def add_frontend(self, *extra: str, env: dict[str, str] | None = None) -> Service:
-        self.http_port = free_port()
-        service = self._spawn(
-            "frontend", "frontend", ["--port", str(self.http_port), *extra], env=env
+    def add_frontend(
+        self, *extra: str, env: dict[str, str] | None = None, name: str = "frontend"
+    ) -> Service:
+        config = FrontendConfig(mesh=self.connection, port=free_port())
+        config = parse(FrontendConfig, extra, environ={}, defaults=config)
+        self.http_port = config.port
+        service = self.supervisor.spawn_genmesh(name, config, env=self._env("frontend", env))
+        run_blocking(
+            wait_http_ok(self.http_url + "/get_server_info", watch=[service], what="the frontend")
         )
-        wait_until(
-            lambda: self._http_ok("/get_server_info") or not service.alive,
-            timeout=20,
-            what="the frontend to listen",
-        )
-        if not service.alive:
-            raise RuntimeError(f"frontend died:\n{service.log()}")
         return service
 
     def _http_ok(self, path: str) -> bool:
@@ -222,42 +201,21 @@ class Mesh:
 
     def spawn_engine_server(self, engine: str, *extra: str) -> tuple[Service, str]:
         """A mock SGLang/vLLM server process (`genmesh testkit`); returns it and its URL."""
-        port = free_port()
         name = f"{engine}-server{sum(s.role == 'engine' for s in self.services)}"
-        log_path = self.workdir / f"{name}.log"
-        args = [sys.executable, "-m", "genmesh", "testkit", engine, "--port", str(port), *extra]
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-        service = Service("engine", name, args, log_path, process)
-        self.services.append(service)
-        url = f"http://127.0.0.1:{port}"
-        wait_until(
-            lambda: self._url_ok(url + "/health") or not service.alive,
-            timeout=20,
-            what=f"the mock {engine} server",
+        config = TestkitConfig(engine=engine, port=free_port())
+        config = parse(TestkitConfig, [engine, *extra], environ={}, defaults=config)
+        service = self.supervisor.spawn_genmesh(name, config)
+        url = f"http://127.0.0.1:{config.port}"
+        run_blocking(
+            wait_http_ok(url + "/health", watch=[service], what=f"the mock {engine} server")
         )
-        if not service.alive:
-            raise RuntimeError(f"mock {engine} server died:\n{service.log()}")
         return service, url
 
-    @staticmethod
-    def _url_ok(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
     def logs(self) -> str:
-        return "\n".join(f"===== {s.name} =====\n{s.log()[-6000:]}" for s in self.services)
+        return self.supervisor.logs()
 
     def stop(self) -> None:
-        for role in ("frontend", "router", "worker", "engine"):
-            for service in self.services:
-                if service.role == role:
-                    service.terminate()
+        self.supervisor.stop(timeout_s=15.0)
 
 
 def start_mesh(
@@ -286,16 +244,8 @@ def start_mesh(
     return mesh
 
 
-def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendOptions:
-    """Options for an in-process frontend (`start_frontend`) on a free port."""
-    defaults: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "generate_format": "sglang",
-        "codec": "msgpack",
-        "model": "m",
-        "body_limit_mb": 1,
-        "ack_timeout_s": 2,
-        "idle_timeout_s": 60,
-    }
-    return FrontendOptions(nats_url=nats_url, namespace=namespace, **(defaults | overrides))
+def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendConfig:
+    """The config of an in-process frontend (`start_frontend`) on a free port."""
+    mesh = MeshConnection(nats_url=nats_url, namespace=namespace)
+    defaults: dict[str, Any] = {"port": 0, "model": "m", "body_limit_mb": 1}
+    return FrontendConfig(mesh=mesh, **(defaults | overrides))

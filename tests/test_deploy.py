@@ -29,8 +29,9 @@ import aiohttp
 import pytest
 from nats.aio.msg import Msg
 
-from genmesh.cli import build_parser
+from genmesh.cli import load_config_class
 from genmesh.client import MeshClient, request
+from genmesh.commandline import COMMANDS
 from genmesh.deploy import USERS, make_env, new_password, write_nkeys
 from genmesh.shared.bus import (
     NatsAuth,
@@ -40,6 +41,7 @@ from genmesh.shared.bus import (
     flush_in_order,
 )
 from genmesh.shared.natsserver import NatsServer, find_nats_server
+from genmesh.shared.settings import variables
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, free_port, start_mesh, wait_until
 
@@ -158,15 +160,11 @@ def test_the_compose_file_matches_the_compose_specification(tmp_path: Path) -> N
 
 def _cli_commands() -> dict[str, set[str]]:
     """Each `genmesh` command and the GENMESH_* variables its options read."""
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    commands: dict[str, set[str]] = {}
-    for name, sub in subparsers.choices.items():  # type: ignore[attr-defined]
-        names: set[str] = set()
-        for action in sub._actions:
-            names.update(re.findall(r"\[env (GENMESH_[A-Z0-9_]+)", action.help or ""))
-        commands[name] = names
-    return commands
+    return {
+        name: set(variables(load_config_class(command)))
+        for name, command in COMMANDS.items()
+        if command.config
+    }
 
 
 def test_every_command_and_variable_in_the_compose_file_exists_in_the_cli() -> None:

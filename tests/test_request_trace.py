@@ -388,14 +388,13 @@ def test_config_from_the_environment() -> None:
 
 
 def test_the_frontend_options_read_the_same_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    from genmesh.cli import build_parser
-    from genmesh.commands import _records_config
+    from genmesh.cli import parse_command
 
     monkeypatch.setenv("GENMESH_REQUEST_TRACE", "x.jsonl")
     monkeypatch.setenv("GENMESH_REQUEST_TRACE_PAYLOAD", "1")
     monkeypatch.setenv("GENMESH_REQUEST_TRACE_ROLL_LINES", "7")
-    args = build_parser().parse_args(["frontend"])
-    assert _records_config(args) == RecordsConfig("x.jsonl", True, False, 256.0, 7, 64)
+    _, config = parse_command(["frontend"])
+    assert config.records == RecordsConfig("x.jsonl", True, False, 256.0, 7, 64)
 
 
 # --------------------------------------------------------------------------- sinks

@@ -1,17 +1,37 @@
-"""What each `genmesh` subcommand does (the parser lives in `genmesh.cli`)."""
+"""What each `genmesh` subcommand does, given its typed config (the commands are listed in
+`genmesh.cli`; each config is declared next to the code it configures)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from genmesh.formats.catalog import ConfigError
-from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsPermissionDenied, NatsUnreachable
-from genmesh.shared.natsserver import NatsServer, NatsServerError
+from genmesh.shared.bus import (
+    NatsAuth,
+    NatsAuthError,
+    NatsPermissionDenied,
+    NatsUnreachable,
+    nats_auth_group,
+)
+from genmesh.shared.connection import MeshConnection
+from genmesh.shared.ids import is_subject_token
+from genmesh.shared.natsserver import NatsServer, NatsServerConfig, NatsServerError
+from genmesh.shared.settings import group, option, render_token_ids, token_ids
+
+if TYPE_CHECKING:
+    from genmesh.records.check import TraceCheckConfig
+    from genmesh.records.replay import TraceReplayConfig
+    from genmesh.services.frontend.config import FrontendConfig
+    from genmesh.services.router.config import RouterConfig
+    from genmesh.services.worker.config import WorkerProcessConfig
+    from genmesh.shared.envelope import Envelope
+    from genmesh.testkit.common import TestkitConfig
+    from genmesh.up import UpConfig
 
 
 def _fail(message: str) -> int:
@@ -29,137 +49,73 @@ def _run_service(coro: Coroutine[Any, Any, None]) -> int:
     return 0
 
 
-def cmd_frontend(args: argparse.Namespace) -> int:
-    from genmesh.services.frontend.serve import FrontendOptions, serve_frontend
+def _subject_token(flag: str, value: str) -> str | None:
+    if is_subject_token(value):
+        return None
+    return f"{flag} {value!r} must be 1-64 characters of A-Z a-z 0-9 _ -"
+
+
+def cmd_frontend(config: FrontendConfig) -> int:
+    from genmesh.services.frontend.serve import serve_frontend
     from genmesh.shared.lifecycle import configure_logging
 
-    configure_logging(args.log_level, "frontend")
-    return _run_service(
-        serve_frontend(
-            FrontendOptions(
-                nats_url=args.nats_url,
-                namespace=args.namespace,
-                host=args.host,
-                port=args.port,
-                generate_format=args.generate_format,
-                codec=args.codec,
-                model=args.model,
-                body_limit_mb=args.body_limit_mb,
-                ack_timeout_s=args.ack_timeout,
-                idle_timeout_s=args.idle_timeout,
-                migration_limit=args.migration_limit,
-                ping_after_s=args.ping_after,
-                request_timeout_s=args.request_timeout or None,
-                records=_records_config(args),
-                auth=NatsAuth.from_args(args),
-            )
-        )
-    )
+    configure_logging(config.mesh.log_level, "frontend")
+    return _run_service(serve_frontend(config))
 
 
-def _records_config(args: argparse.Namespace) -> Any:
-    from genmesh.services.frontend.records import RecordsConfig
+def cmd_trace_check(config: TraceCheckConfig) -> int:
+    from genmesh.records.check import main_check
 
-    return RecordsConfig(
-        path=args.request_trace or None,
-        payload=args.request_trace_payload,
-        nats=args.request_trace_nats,
-        roll_mb=args.request_trace_roll_mb,
-        roll_lines=args.request_trace_roll_lines,
-        block_size=args.request_trace_block_size,
-    )
+    return main_check(list(config.files), expect=config.expect, as_json=config.as_json)
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    if args.trace_command == "check":
-        from genmesh.records.check import main_check
-
-        return main_check(args.files, expect=args.expect, as_json=args.json)
+def cmd_trace_replay(config: TraceReplayConfig) -> int:
     from genmesh.records.replay import main_replay
 
     return main_replay(
-        args.files,
-        url=args.url,
-        concurrency=args.concurrency,
-        timeout_s=args.timeout,
-        as_json=args.json,
-        progress=not args.no_progress,
+        list(config.files),
+        url=config.url,
+        concurrency=config.concurrency,
+        timeout_s=config.timeout_s,
+        as_json=config.as_json,
+        progress=config.progress,
     )
 
 
-def cmd_router(args: argparse.Namespace) -> int:
+def cmd_router(config: RouterConfig) -> int:
     from genmesh.services.router.serve import serve_router
     from genmesh.shared.lifecycle import configure_logging
 
-    configure_logging(args.log_level, "router")
-    return _run_service(
-        serve_router(
-            args.nats_url,
-            args.namespace,
-            args.router_policy,
-            metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port,
-            auth=NatsAuth.from_args(args),
-        )
-    )
+    if wrong := _subject_token("--router-id", config.router_id):
+        return _fail(wrong)
+    configure_logging(config.mesh.log_level, "router")
+    return _run_service(serve_router(config))
 
 
-def mock_config(args: argparse.Namespace) -> Any:
-    from genmesh.engines.mock import MockConfig
-
-    return MockConfig(
-        model=args.mock_model,
-        vocab_size=args.mock_vocab_size,
-        eos_token_id=args.mock_eos_token_id,
-        max_model_len=args.mock_max_model_len,
-        speedup=args.mock_speedup,
-    )
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
+def cmd_worker(config: WorkerProcessConfig) -> int:
+    from genmesh.engines import create_engine
     from genmesh.services.worker.serve import serve_worker
-    from genmesh.services.worker.service import WorkerConfig
-    from genmesh.shared.ids import is_subject_token, new_worker_id
     from genmesh.shared.lifecycle import configure_logging
 
-    worker_id = args.worker_id or new_worker_id()
-    if not is_subject_token(worker_id):
-        return _fail(f"--worker-id {worker_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
-    configure_logging(args.log_level, f"worker[{worker_id}]")
-    from genmesh.engines import create_engine
-
+    worker_id = config.service.worker_id
+    if wrong := _subject_token("--worker-id", worker_id):
+        return _fail(wrong)
+    configure_logging(config.mesh.log_level, f"worker[{worker_id}]")
     try:  # the settings are checked before connecting to anything
-        engine = create_engine(args.engine, url=args.engine_url, mock=mock_config(args))
+        engine = create_engine(config.engine, url=config.engine_url, mock=config.mock)
     except ValueError as exc:
         return _fail(str(exc))
-    config = WorkerConfig(
-        worker_id=worker_id,
-        max_concurrency=args.max_concurrency,
-        heartbeat_interval_s=args.heartbeat_interval,
-        drain_timeout_s=args.drain_timeout,
-    )
-    return _run_service(
-        serve_worker(
-            args.nats_url,
-            args.namespace,
-            engine,
-            config,
-            testkit_faults=args.testkit_faults,
-            metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port,
-            auth=NatsAuth.from_args(args),
-        )
-    )
+    return _run_service(serve_worker(config, engine))
 
 
-def cmd_nats(args: argparse.Namespace) -> int:
-    return asyncio.run(_nats(args))
+def cmd_nats(config: NatsServerConfig) -> int:
+    return asyncio.run(_nats(config))
 
 
-async def _nats(args: argparse.Namespace) -> int:
+async def _nats(config: NatsServerConfig) -> int:
     from genmesh.shared.lifecycle import stop_signals
 
-    server = NatsServer(host=args.host, port=args.nats_port)
+    server = NatsServer(host=config.host, port=config.port)
     async with stop_signals() as stop:
         try:
             url = await asyncio.to_thread(server.start)
@@ -174,53 +130,68 @@ async def _nats(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_testkit(args: argparse.Namespace) -> int:
+def cmd_testkit(config: TestkitConfig) -> int:
     from genmesh.shared.lifecycle import configure_logging
-    from genmesh.testkit.common import MockServerConfig
 
-    configure_logging(args.log_level, f"testkit[{args.engine}]")
-    config = MockServerConfig(
-        model=args.model,
-        vocab_size=args.vocab_size,
-        eos_token_id=args.eos_token_id,
-        max_model_len=args.max_model_len,
-        token_delay_ms=args.token_delay_ms,
-        incremental=args.incremental,
-        tokens_only=not args.no_tokens_only,
-    )
-    return _run_service(_testkit(args.engine, config, args.host, args.port))
+    configure_logging(config.log_level, f"testkit[{config.engine}]")
+    return _run_service(_testkit(config))
 
 
-async def _testkit(engine: str, config: Any, host: str, port: int) -> None:
+async def _testkit(config: TestkitConfig) -> None:
     from genmesh.shared.lifecycle import stop_signals
     from genmesh.testkit import serving
 
-    if engine == "sglang":
+    if config.engine == "sglang":
         from genmesh.testkit.sglang import build_app
     else:
         from genmesh.testkit.vllm import build_app
-    async with stop_signals() as stop, serving(build_app(config), host, port) as url:
-        print(f"mock {engine} server listening on {url}", flush=True)
+    app = build_app(config.server)
+    async with stop_signals() as stop, serving(app, config.host, config.port) as url:
+        print(f"mock {config.engine} server listening on {url}", flush=True)
         await stop.wait()
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def cmd_up(config: UpConfig) -> int:
     from genmesh.up import run_up
 
-    return run_up(args)
+    return run_up(config)
 
 
-def cmd_request(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, slots=True)
+class RequestConfig:
+    """`genmesh request`: one request over NATS, its reply frames printed."""
+
+    mesh: MeshConnection = group(MeshConnection())
+    auth: NatsAuth = nats_auth_group()
+    input_ids: tuple[int, ...] | None = option(
+        None, parse=token_ids, render=render_token_ids, help="prompt, e.g. 1,2,3"
+    )
+    envelope: str | None = option(None, help="a JSON envelope file ('-' = stdin) instead")
+    max_tokens: int = option(16, help="generation budget")
+    min_tokens: int = option(0, help="tokens before a stop may happen")
+    seed: int | None = option(None, help="sampling seed")
+    stop_token_ids: tuple[int, ...] | None = option(
+        None, parse=token_ids, render=render_token_ids, help="e.g. 7,9"
+    )
+    ignore_eos: bool = option(False, help="do not stop at EOS")
+    logprobs: bool = option(False, help="return output logprobs")
+    top_logprobs: int = option(0, help="alternatives per position")
+    worker: str | None = option(None, help="pin the request to this worker id")
+    codec: str = option("msgpack", help="codec of the request (replies match it)")
+    timeout_s: float = option(60.0, flag="--timeout", help="seconds of silence before giving up")
+
+
+def cmd_request(config: RequestConfig) -> int:
     from genmesh.client import request
     from genmesh.shared.envelope import Envelope, EnvelopeError
     from genmesh.shared.ids import new_request_id
 
-    if args.envelope:
+    if config.envelope:
         try:
-            if args.envelope == "-":
+            if config.envelope == "-":
                 text = sys.stdin.read()
             else:
-                with open(args.envelope) as f:
+                with open(config.envelope) as f:
                     text = f.read()
             obj = json.loads(text)
             if isinstance(obj, dict):
@@ -229,26 +200,26 @@ def cmd_request(args: argparse.Namespace) -> int:
             envelope = Envelope.from_wire(obj)
         except (OSError, ValueError, EnvelopeError) as exc:
             return _fail(f"bad --envelope: {exc}")
-        if args.worker:
-            envelope.routing.worker = args.worker
-    elif args.input_ids:
+        if config.worker:
+            envelope.routing.worker = config.worker
+    elif config.input_ids:
         envelope = request(
-            args.input_ids,
-            max_tokens=args.max_tokens,
-            min_tokens=args.min_tokens,
-            seed=args.seed,
-            stop_token_ids=args.stop_token_ids,
-            ignore_eos=args.ignore_eos,
-            logprobs=args.logprobs,
-            top_logprobs=args.top_logprobs,
-            worker=args.worker,
+            list(config.input_ids),
+            max_tokens=config.max_tokens,
+            min_tokens=config.min_tokens,
+            seed=config.seed,
+            stop_token_ids=None if config.stop_token_ids is None else list(config.stop_token_ids),
+            ignore_eos=config.ignore_eos,
+            logprobs=config.logprobs,
+            top_logprobs=config.top_logprobs,
+            worker=config.worker,
         )
     else:
         return _fail("give --input-ids (e.g. --input-ids 1,2,3) or --envelope FILE")
-    return asyncio.run(_request(args, envelope))
+    return asyncio.run(_request(config, envelope))
 
 
-async def _request(args: argparse.Namespace, envelope: Any) -> int:
+async def _request(config: RequestConfig, envelope: Envelope) -> int:
     from genmesh.client import MeshClient
     from genmesh.shared import tracing
 
@@ -258,11 +229,11 @@ async def _request(args: argparse.Namespace, envelope: Any) -> int:
         return _fail(str(exc))
     try:
         client = await MeshClient.connect(
-            args.nats_url,
-            args.namespace,
-            codec=args.codec,
-            idle_timeout_s=args.timeout,
-            auth=NatsAuth.from_args(args),
+            config.mesh.nats_url,
+            config.mesh.namespace,
+            codec=config.codec,
+            idle_timeout_s=config.timeout_s,
+            auth=config.auth,
         )
     except (NatsUnreachable, NatsAuthError, NatsPermissionDenied, LookupError) as exc:
         return _fail(str(exc))

@@ -2,53 +2,66 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import itertools
 import os
-import signal
 import sys
-import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
-import aiohttp
-
-from genmesh.shared.bus import NatsAuth, NatsAuthError, NatsUnreachable, connect, redact
-from genmesh.shared.ids import new_worker_id
+from genmesh.services.frontend.config import FrontendConfig
+from genmesh.services.router.config import RouterConfig
+from genmesh.services.worker.config import WorkerProcessConfig
+from genmesh.shared.bus import (
+    NatsAuth,
+    NatsAuthError,
+    NatsUnreachable,
+    connect,
+    nats_auth_group,
+    redact,
+)
+from genmesh.shared.connection import MeshConnection
+from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.lifecycle import STOP_SIGNALS
-from genmesh.shared.natsserver import NatsServer, NatsServerError
+from genmesh.shared.metrics import MetricsConfig
+from genmesh.shared.natsserver import NatsServerError
+from genmesh.shared.settings import group, option, positive_int, variables
+from genmesh.supervisor import ChildExited, NotReady, Supervisor, wait_http_ok
 
 READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
+WATCH_INTERVAL_S = 0.1
 
 
-@dataclass
-class Child:
-    role: str
-    label: str
-    process: asyncio.subprocess.Process
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """`genmesh up`: the options of the services it starts, re-used from their own
+    declarations, and its own: how many of each, engine URLs, the first metrics port."""
 
-    @property
-    def running(self) -> bool:
-        return self.process.returncode is None
+    mesh: MeshConnection = group(MeshConnection(nats_url=""))  # "": start an embedded one
+    auth: NatsAuth = nats_auth_group()
+    frontend: FrontendConfig = group(FrontendConfig(), only=("host", "port"))
+    workers: int = option(2, help="number of worker processes")
+    routers: int = option(1, parse=positive_int, help="number of router processes")
+    router: RouterConfig = group(RouterConfig(), only=("policy",))
+    worker: WorkerProcessConfig = group(
+        WorkerProcessConfig(),
+        only=("engine", "service.max_concurrency", "service.drain_timeout_s", "mock"),
+    )
+    engine_urls: tuple[str, ...] = option(
+        (),
+        flag="--engine-url",
+        repeat=True,
+        help="HTTP address of an SGLang/vLLM server; repeat for several, one worker each",
+    )
+    metrics_port: int = option(
+        0,
+        flag="--metrics-port",
+        help="first Prometheus metrics port: routers, then workers, get one each from it; 0 = off",
+    )
+    metrics: MetricsConfig = group(MetricsConfig(), only=("host",))
 
 
 def _say(message: str) -> None:
     print(f"genmesh up: {message}", file=sys.stderr, flush=True)
-
-
-async def _spawn(
-    role: str, label: str, args: list[str], env: dict[str, str] | None = None
-) -> Child:
-    # A session of its own: a terminal's Ctrl-C (SIGINT to the whole foreground process
-    # group) reaches only `genmesh up`, which stops the services in order, NATS last.
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "genmesh", role, *args,
-        stdin=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
-    )  # fmt: skip
-    return Child(role, label, process)
 
 
 async def _probe_nats(url: str, auth: NatsAuth) -> None:
@@ -56,197 +69,127 @@ async def _probe_nats(url: str, auth: NatsAuth) -> None:
     await nc.close()
 
 
-async def _wait_ready(url: str, children: list[Child]) -> str | None:
-    """None once the frontend's /health is 200; else why not (after READY_TIMEOUT_S)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    reason = "the frontend never answered"
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if any(c.role == "frontend" and not c.running for c in children):
-                return "the frontend exited"
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with session.get(f"{url}/health") as resp:
-                    if resp.status == 200:
-                        return None
-                    reason = await resp.text()
-            await asyncio.sleep(0.1)
-    return reason
-
-
-async def _stop(children: list[Child], drain_timeout_s: float) -> None:
-    # The frontend first, so no new request enters while the rest goes down.
-    for role in ("frontend", "router", "worker"):
-        group = [c for c in children if c.role == role and c.running]
-        for child in group:
-            with contextlib.suppress(ProcessLookupError):
-                child.process.send_signal(signal.SIGTERM)
-        for child in group:
-            # Workers may drain first: give them that long, and a little more.
-            allowed = STOP_TIMEOUT_S + (drain_timeout_s if role == "worker" else 0)
-            try:
-                await asyncio.wait_for(child.process.wait(), allowed)
-            except TimeoutError:
-                _say(f"{child.label} did not stop in {allowed:g}s; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    child.process.kill()
-                await child.process.wait()
-
-
-async def _watch(children: list[Child], stop: asyncio.Event) -> bool:
-    """Report children that exit on their own until `stop`; True if the frontend died
-    (without a frontend the mesh is over)."""
-    waiters: dict[asyncio.Future[Any], Child] = {
-        asyncio.ensure_future(c.process.wait()): c for c in children
-    }
-    stopped: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
-    try:
-        while True:
-            done, _ = await asyncio.wait({*waiters, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if stopped in done:
-                return False
-            for fut in done:
-                child = waiters.pop(fut)
-                _say(f"{child.label} (pid {child.process.pid}) exited with code {fut.result()}")
-                if child.role == "frontend":
-                    return True
-    finally:
-        stopped.cancel()
-        for fut in waiters:
-            fut.cancel()
-
-
-def _worker_plans(args: argparse.Namespace) -> list[list[str]]:
-    """The engine arguments of each worker: --workers mocks, or one worker per engine URL."""
-    urls = args.engine_url or args.engine_url_env
-    if args.engine == "mock":
+def _worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
+    """One config per worker: --workers mocks, or one worker per engine URL."""
+    urls = config.engine_urls
+    engine = config.worker.engine
+    if engine == "mock":
         if urls:
             raise ValueError("--engine-url needs --engine sglang or --engine vllm")
-        return [[] for _ in range(args.workers)]
-    if not urls:
-        raise ValueError(f"--engine {args.engine} needs --engine-url (repeat it for several)")
-    return [["--engine-url", url] for url in urls]
+        plans: list[str | None] = [None] * config.workers
+    elif not urls:
+        raise ValueError(f"--engine {engine} needs --engine-url (repeat it for several)")
+    else:
+        plans = list(urls)
+    return [
+        replace(
+            config.worker,
+            service=replace(config.worker.service, worker_id=new_worker_id()),
+            engine_url=url,
+        )
+        for url in plans
+    ]
 
 
-async def _up(args: argparse.Namespace) -> int:
+def child_environment() -> dict[str, str]:
+    """Ours, less every variable `genmesh up` read itself: what it resolved travels on the
+    children's command lines (an inherited GENMESH_METRICS_PORT or GENMESH_PORT must not
+    reach them), and its credentials in their environment (`Supervisor.spawn_genmesh`)."""
+    own = set(variables(UpConfig))
+    return {k: v for k, v in os.environ.items() if k not in own}
+
+
+async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> int:
     try:
-        plans = _worker_plans(args)
+        workers = _worker_configs(config)
     except ValueError as exc:
         _say(str(exc))
         return 2
-    server: NatsServer | None = None
-    auth = NatsAuth.from_args(args)
-    # Children get the credentials in their environment, never on their command line;
-    # exactly ours (flags and variables resolved), none of the inherited variables.
-    auth_vars = {"GENMESH_NATS_" + f.upper() for f in NatsAuth.__dataclass_fields__}
-    child_env = {k: v for k, v in os.environ.items() if k not in auth_vars} | auth.to_env()
-    if args.nats_url:
-        url = args.nats_url
+    if config.mesh.nats_url:
+        url = config.mesh.nats_url
         try:
-            await _probe_nats(url, auth)
+            await _probe_nats(url, config.auth)
         except (NatsUnreachable, NatsAuthError) as exc:
             _say(str(exc))
             return 2
     else:
-        server = NatsServer()
         try:
-            url = await asyncio.to_thread(server.start)
+            url = await asyncio.to_thread(supervisor.start_nats)
         except NatsServerError as exc:
             _say(str(exc))
             return 2
+    mesh = replace(config.mesh, nats_url=url)
+    metrics_ports = itertools.count(config.metrics_port)
 
-    common = ["--nats-url", url, "--namespace", args.namespace, "--log-level", args.log_level]
-    worker_args = [
-        "--engine", args.engine,
-        "--drain-timeout", str(args.drain_timeout),
-        "--max-concurrency", str(args.max_concurrency),
-        "--mock-speedup", str(args.mock_speedup),
-        "--mock-model", args.mock_model,
-        "--mock-vocab-size", str(args.mock_vocab_size),
-        "--mock-eos-token-id", str(args.mock_eos_token_id),
-        "--mock-max-model-len", str(args.mock_max_model_len),
-    ]  # fmt: skip
-    # Explicit on every child, so an inherited GENMESH_METRICS_PORT cannot make them collide.
-    metrics_ports = itertools.count(args.metrics_port)
+    def metrics() -> MetricsConfig:
+        # Explicit on every child, so that no two of them collide.
+        port = next(metrics_ports) if config.metrics_port else 0
+        return replace(config.metrics, port=port)
 
-    def metrics_args() -> list[str]:
-        port = next(metrics_ports) if args.metrics_port else 0
-        return ["--metrics-host", args.metrics_host, "--metrics-port", str(port)]
-
-    children: list[Child] = []
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        for i in range(args.routers):
-            children.append(
-                await _spawn(
-                    "router",
-                    f"router {i + 1}",
-                    [*common, "--router-policy", args.router_policy, *metrics_args()],
-                    child_env,
-                )
-            )
-        for plan in plans:
-            wid = new_worker_id()
-            children.append(
-                await _spawn(
-                    "worker",
-                    f"worker {wid}",
-                    [*common, "--worker-id", wid, *worker_args, *plan, *metrics_args()],
-                    child_env,
-                )
-            )
-        children.append(
-            await _spawn(
-                "frontend",
-                "frontend",
-                [*common, "--host", args.host, "--port", str(args.port)],
-                child_env,
-            )
+    # Credentials: `spawn_genmesh` moves each config's `auth` into the child's environment.
+    for _ in range(config.routers):
+        router = replace(
+            config.router,
+            mesh=mesh,
+            auth=config.auth,
+            router_id=new_router_id(),
+            metrics=metrics(),
         )
-        http_url = f"http://{args.host}:{args.port}"
-        ready = asyncio.ensure_future(_wait_ready(http_url, children))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if stop.is_set():
-            ready.cancel()
-            return 0
-        not_ready = ready.result()
-        if not_ready:
-            _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({not_ready}); stopping")
-            return 1
-        _print_summary(url, server, children, http_url, args)
-        return 1 if await _watch(children, stop) else 0
-    finally:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-        _say("stopping")
-        await _stop(children, args.drain_timeout)
-        if server is not None:
-            await asyncio.to_thread(server.stop)
-        _say("stopped")
+        await asyncio.to_thread(supervisor.spawn_genmesh, router.router_id, router)
+    for worker in workers:
+        worker = replace(worker, mesh=mesh, auth=config.auth, metrics=metrics())
+        await asyncio.to_thread(supervisor.spawn_genmesh, worker.service.worker_id, worker)
+    frontend = replace(config.frontend, mesh=mesh, auth=config.auth)
+    child = await asyncio.to_thread(supervisor.spawn_genmesh, "frontend", frontend)
+    http_url = f"http://{frontend.host}:{frontend.port}"
+    ready = asyncio.ensure_future(
+        wait_http_ok(f"{http_url}/health", timeout_s=READY_TIMEOUT_S, watch=[child])
+    )
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if stop.is_set():
+        ready.cancel()
+        return 0
+    try:
+        ready.result()
+    except (NotReady, ChildExited) as exc:
+        why = "the frontend exited" if isinstance(exc, ChildExited) else str(exc)
+        _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({why}); stopping")
+        return 1
+    _print_summary(config, url, supervisor, http_url)
+    return 1 if await _watch(supervisor, stop) else 0
 
 
-def _print_summary(
-    nats_url: str,
-    server: NatsServer | None,
-    children: list[Child],
-    http_url: str,
-    args: argparse.Namespace,
-) -> None:
-    origin = f"embedded, pid {server.pid}" if server else "external"
+async def _watch(supervisor: Supervisor, stop: asyncio.Event) -> bool:
+    """Report children that exit on their own until `stop`; True if the frontend died
+    (without a frontend the mesh is over)."""
+    while not stop.is_set():
+        for child in supervisor.exited():
+            _say(f"{child.label} (pid {child.pid}) exited with code {child.returncode}")
+            if child.role == "frontend":
+                return True
+        try:
+            async with asyncio.timeout(WATCH_INTERVAL_S):
+                await stop.wait()
+        except TimeoutError:
+            pass
+    return False
+
+
+def _print_summary(config: UpConfig, nats_url: str, supervisor: Supervisor, http_url: str) -> None:
+    nats = supervisor.nats
+    origin = f"embedded, pid {nats.pid}" if nats else "external"
     lines = [
-        f"genmesh is up (namespace {args.namespace!r})",
+        f"genmesh is up (namespace {config.mesh.namespace!r})",
         f"  NATS      {redact(nats_url)}  ({origin})",
     ]
-    for child in children:
+    for child in supervisor.children:
         if child.role != "frontend":
-            lines.append(f"  {child.role:<9} {child.label.split()[-1]:<10} pid {child.process.pid}")
-    frontend = next(c for c in children if c.role == "frontend")
+            lines.append(f"  {child.role:<9} {child.name:<10} pid {child.pid}")
+    frontend = supervisor.get("frontend")
     lines += [
-        f"  frontend  {http_url}  pid {frontend.process.pid}  (POST /generate, GET /metrics)",
+        f"  frontend  {http_url}  pid {frontend.pid}  (POST /generate, GET /metrics)",
         "",
         "Try:",
         f"  curl -s {http_url}/generate -d "
@@ -256,5 +199,26 @@ def _print_summary(
     print("\n".join(lines), flush=True)
 
 
-def run_up(args: argparse.Namespace) -> int:
-    return asyncio.run(_up(args))
+async def _run(config: UpConfig) -> int:
+    # Children start from our environment less what we read ourselves (see
+    # `child_environment`), and write to our stdout/stderr.
+    supervisor = Supervisor(env=child_environment(), report=_say)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await _up(config, supervisor, stop)
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        if supervisor.children or supervisor.nats is not None:
+            _say("stopping")
+            await asyncio.to_thread(
+                supervisor.stop, drain_timeout_s=config.worker.service.drain_timeout_s
+            )
+            _say("stopped")
+
+
+def run_up(config: UpConfig) -> int:
+    return asyncio.run(_run(config))

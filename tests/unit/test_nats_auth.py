@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from genmesh.cli import build_parser
+from genmesh.cli import parse_command
 from genmesh.deploy import make_nkey
 from genmesh.shared.bus import NatsAuth, NatsAuthError, redact, server_list
 
@@ -18,8 +18,8 @@ def test_the_cli_options_and_their_variables(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("GENMESH_NATS_PASSWORD_FILE", "/run/secrets/worker")
     monkeypatch.setenv("GENMESH_NATS_TLS_HANDSHAKE_FIRST", "true")
     monkeypatch.setenv("GENMESH_NATS_INBOX_PREFIX", "_INBOX_w")
-    args = build_parser().parse_args(["worker", "--nats-tls-ca", "ca.pem"])
-    auth = NatsAuth.from_args(args)
+    _, config = parse_command(["worker", "--nats-tls-ca", "ca.pem"])
+    auth = config.auth
     assert auth == NatsAuth(
         user="worker",
         password_file="/run/secrets/worker",
@@ -35,14 +35,14 @@ def test_the_cli_options_and_their_variables(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(
         "GENMESH_NATS_TLS_HANDSHAKE_FIRST", auth.to_env()["GENMESH_NATS_TLS_HANDSHAKE_FIRST"]
     )
-    again = NatsAuth.from_args(build_parser().parse_args(["router"]))
+    again = parse_command(["router"])[1].auth
     assert again == auth
 
 
 @pytest.mark.parametrize("command", ["frontend", "router", "worker", "up", "request"])
 def test_every_networked_command_takes_credentials(command: str) -> None:
-    args = build_parser().parse_args([command, "--nats-user", "u", "--nats-password", "p"])
-    assert (args.nats_user, args.nats_password) == ("u", "p")
+    _, config = parse_command([command, "--nats-user", "u", "--nats-password", "p"])
+    assert (config.auth.user, config.auth.password) == ("u", "p")
 
 
 def test_help_never_shows_a_secret() -> None:

@@ -21,6 +21,7 @@ from genmesh.engines.base import EngineOutput, usage
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
+from genmesh.shared.settings import non_negative_float, option, positive_int
 
 _MASK = (1 << 64) - 1
 # The most top-logprob alternatives the mock reports per position (vLLM's default cap).
@@ -124,13 +125,28 @@ class ExpertModel:
 
 @dataclass(frozen=True, slots=True)
 class MockConfig:
-    model: str = "genmesh-mock"
-    vocab_size: int = 151_936
-    eos_token_id: int = 151_645
-    max_model_len: int = 32_768
+    """The mock engine's settings; the options of a worker's (and `up`'s) `--mock-*`."""
+
+    model: str = option("genmesh-mock", flag="--mock-model", help="model name the mock serves")
+    vocab_size: int = option(
+        151_936, flag="--mock-vocab-size", parse=positive_int, help="mock vocabulary"
+    )
+    eos_token_id: int = option(151_645, flag="--mock-eos-token-id", help="mock EOS token id")
+    max_model_len: int = option(
+        32_768,
+        flag="--mock-max-model-len",
+        parse=positive_int,
+        help="mock context length (prompt + output)",
+    )
     kv_capacity_tokens: int = 1_048_576
-    # 1.0 = the polynomial timing model in real time; 0 = no delay at all.
-    speedup: float = 0.0
+    # 1.0 = the polynomial timing model in real time; 0 = no delay at all (a worker's
+    # mock runs in real time unless told otherwise: services/worker/config.py).
+    speedup: float = option(
+        0.0,
+        flag="--mock-speedup",
+        parse=non_negative_float,
+        help="mock engine speed-up over its timing model; 0 = instant",
+    )
     # The shape of the routed-expert rows it reports.
     moe_layers: int = 4
     moe_top_k: int = 2

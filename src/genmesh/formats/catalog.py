@@ -85,12 +85,12 @@ def check_routes(formats: list[GenerateFormat]) -> None:
             owner[route] = fmt.name
 
 
-def _path_variable(name: str) -> str:
+def path_variable(name: str) -> str:
     return f"GENMESH_{name.upper().replace('-', '_')}_PATH"
 
 
 def _path_override(name: str, env: Mapping[str, str]) -> str | None:
-    return env.get(_path_variable(name)) or None
+    return env.get(path_variable(name)) or None
 
 
 def _routes(cls: type[GenerateFormat], path: str | None) -> tuple[Route, ...]:
@@ -144,7 +144,7 @@ def load_generate_formats(
                 name,
                 GENERATE_PATH,
                 generate_format,
-                _path_variable(name),
+                path_variable(name),
             )
             continue
         formats.append(other(other_routes))

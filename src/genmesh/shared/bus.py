@@ -9,7 +9,7 @@ import re
 import ssl
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import AuthorizationError
 
 from genmesh.codecs import Codec, get_codec
+from genmesh.shared.settings import group, option, to_env
 from genmesh.shared.tasks import keep_cancel
 
 log = logging.getLogger(__name__)
@@ -143,27 +144,49 @@ class NatsAuth:
     its own prefix only, so that no one reads another's replies.
     """
 
-    user: str | None = None
-    password: str | None = None
-    password_file: str | None = None
-    token: str | None = None
-    token_file: str | None = None
-    nkey_seed: str | None = None
-    creds: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_handshake_first: bool = False
-    inbox_prefix: str | None = None
-
-    @classmethod
-    def from_args(cls, args: Any) -> NatsAuth:
-        """From parsed CLI options (`--nats-user` ... of `genmesh.cli`)."""
-        values: dict[str, Any] = {
-            f.name: getattr(args, f"nats_{f.name}", None) for f in fields(cls)
-        }
-        values["tls_handshake_first"] = bool(values["tls_handshake_first"])
-        return cls(**values)
+    user: str | None = option(None, flag="--nats-user", help="NATS user name")
+    password: str | None = option(
+        None,
+        flag="--nats-password",
+        secret=True,
+        help="NATS password (prefer --nats-password-file)",
+    )
+    password_file: str | None = option(
+        None, flag="--nats-password-file", help="file holding the NATS password"
+    )
+    token: str | None = option(
+        None, flag="--nats-token", secret=True, help="NATS token (prefer --nats-token-file)"
+    )
+    token_file: str | None = option(
+        None, flag="--nats-token-file", help="file holding the NATS token"
+    )
+    nkey_seed: str | None = option(
+        None,
+        flag="--nats-nkey-seed",
+        secret=True,
+        help="nkey user seed file (or the seed itself, SU...)",
+    )
+    creds: str | None = option(
+        None, flag="--nats-creds", help="NATS JWT credentials file (operator mode)"
+    )
+    tls_ca: str | None = option(
+        None, flag="--nats-tls-ca", help="CA certificate(s) to verify the NATS server with"
+    )
+    tls_cert: str | None = option(
+        None, flag="--nats-tls-cert", help="client certificate for NATS (mutual TLS)"
+    )
+    tls_key: str | None = option(None, flag="--nats-tls-key", help="private key of --nats-tls-cert")
+    tls_handshake_first: bool = option(
+        False,
+        flag="--nats-tls-handshake-first",
+        help="start TLS before the NATS greeting (server tls { handshake_first: true })",
+    )
+    inbox_prefix: str | None = option(
+        None,
+        flag="--nats-inbox-prefix",
+        help="subject prefix of this connection's reply inboxes, where the NATS user may "
+        "subscribe (default: the role's, e.g. _INBOX_client; see docs/deploy.md)",
+    )
 
     @property
     def tls(self) -> bool:
@@ -240,16 +263,21 @@ class NatsAuth:
     def to_env(self) -> dict[str, str]:
         """The GENMESH_NATS_* variables that give a child process these settings (secrets
         travel in its environment, never on its command line)."""
-        env: dict[str, str] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value:
-                env["GENMESH_NATS_" + f.name.upper()] = "true" if value is True else str(value)
-        return env
+        return to_env(self)
 
 
 NO_AUTH = NatsAuth()
 _SUBJECT = re.compile(r"[^.*>\s]+(\.[^.*>\s]+)*")
+
+
+def nats_auth_group() -> Any:
+    """The `auth` field of every role's config: these options, under their own title."""
+    return group(
+        NO_AUTH,
+        title="NATS credentials and TLS",
+        description="Give one way to authenticate: a user and password, a token, an nkey "
+        "seed or a creds file. Secrets are best given as files (--nats-password-file, ...).",
+    )
 
 
 def server_list(url: str) -> list[str]:

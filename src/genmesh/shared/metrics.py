@@ -27,6 +27,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from genmesh.shared.settings import option
+
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
@@ -197,16 +199,28 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Me
     return MetricsServer(runner, bound)
 
 
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Where a router or worker serves its metrics (`--metrics-port`, `--metrics-host`)."""
+
+    port: int = option(
+        0,
+        flag="--metrics-port",
+        help="HTTP port serving Prometheus metrics on /metrics; 0 = off",
+    )
+    host: str = option("127.0.0.1", flag="--metrics-host", help="metrics listen address")
+
+
 @contextlib.asynccontextmanager
 async def serving_metrics(
-    host: str, port: int, registry: Callable[[], CollectorRegistry]
+    config: MetricsConfig, registry: Callable[[], CollectorRegistry]
 ) -> AsyncIterator[MetricsServer | None]:
     """A router's or worker's metrics endpoint for the duration of the block; nothing when
-    `port` is 0 (the default: off)."""
-    if not port:
+    its port is 0 (the default: off)."""
+    if not config.port:
         yield None
         return
-    server = await serve_metrics(registry(), host, port)
+    server = await serve_metrics(registry(), config.host, config.port)
     try:
         yield server
     finally:

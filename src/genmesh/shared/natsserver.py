@@ -12,7 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from genmesh.shared.settings import option
 
 _LISTENING = re.compile(r"Listening for client connections on (\S+):(\d+)")
 _READY = "Server is ready"
@@ -20,6 +24,14 @@ _READY = "Server is ready"
 
 class NatsServerError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class NatsServerConfig:
+    """`genmesh nats`: where the bundled server listens."""
+
+    host: str = option("127.0.0.1", help="listen address")
+    port: int = option(4222, flag="--nats-port", help="client port (-1 = any free port)")
 
 
 def find_nats_server() -> str:
@@ -53,6 +65,8 @@ class NatsServer:
         self.config_file = config_file
         self.extra_args = extra_args or []
         self.env = env  # the server's environment (a config's $VARIABLES); None = ours
+        # How the process is started: a supervisor passes its own (genmesh.supervisor).
+        self.spawn: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="genmesh-nats-")
         self.log_path = Path(self._dir.name) / "nats-server.log"
@@ -65,7 +79,7 @@ class NatsServer:
         if self.config_file:
             args += ["-c", self.config_file]
         args += self.extra_args
-        self.process = subprocess.Popen(
+        self.process = self.spawn(
             args,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

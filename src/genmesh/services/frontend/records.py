@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from genmesh.records.sinks import DEFAULT_ROLL_MB, FileSink, NatsSink, Record, S
 from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
+from genmesh.shared.settings import from_env, non_negative_float, option, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,37 @@ CANCELLED = "cancelled"
 class RecordsConfig:
     """`genmesh frontend --request-trace*` / `GENMESH_REQUEST_TRACE*`."""
 
-    path: str | None = None  # a .jsonl file, or .jsonl.gz segments
-    payload: bool = False  # the request body and prompt/output token IDs too
-    nats: bool = False  # publish on genmesh.<ns>.trace
-    roll_mb: float = DEFAULT_ROLL_MB  # .jsonl.gz: uncompressed MiB per segment; 0 = no limit
-    roll_lines: int = 0  # .jsonl.gz: records per segment; 0 = no limit
-    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per prompt block hash
+    path: str | None = option(
+        None,
+        flag="--request-trace",
+        help="write one trace record per request to this file: PATH.jsonl (appended) or "
+        "PATH.jsonl.gz (segments PATH.<n>.jsonl.gz that roll)",
+    )
+    payload: bool = option(
+        False,
+        flag="--request-trace-payload",
+        help="records also hold the request body and the prompt and output token ids",
+    )
+    nats: bool = option(
+        False, flag="--request-trace-nats", help="publish each record on genmesh.<ns>.trace"
+    )
+    roll_mb: float = option(
+        DEFAULT_ROLL_MB,
+        flag="--request-trace-roll-mb",
+        parse=non_negative_float,
+        help=".jsonl.gz: start a new segment after this many MiB of JSON; 0 = no limit",
+    )
+    roll_lines: int = option(
+        0,
+        flag="--request-trace-roll-lines",
+        help=".jsonl.gz: start a new segment after this many records; 0 = no limit",
+    )
+    block_size: int = option(
+        DEFAULT_BLOCK_SIZE,
+        flag="--request-trace-block-size",
+        parse=positive_int,
+        help="tokens per prompt block hash in the records",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -331,18 +356,6 @@ def _headers(headers: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> RecordsConfig:
-    """The configuration from GENMESH_REQUEST_TRACE* (for embedders; the CLI reads the
-    same variables through its options)."""
-    env = os.environ if environ is None else environ
-
-    def on(name: str) -> bool:
-        return env.get(name, "").lower() in ("1", "true", "yes", "on")
-
-    return RecordsConfig(
-        path=env.get("GENMESH_REQUEST_TRACE") or None,
-        payload=on("GENMESH_REQUEST_TRACE_PAYLOAD"),
-        nats=on("GENMESH_REQUEST_TRACE_NATS"),
-        roll_mb=float(env.get("GENMESH_REQUEST_TRACE_ROLL_MB") or DEFAULT_ROLL_MB),
-        roll_lines=int(env.get("GENMESH_REQUEST_TRACE_ROLL_LINES") or 0),
-        block_size=int(env.get("GENMESH_REQUEST_TRACE_BLOCK_SIZE") or DEFAULT_BLOCK_SIZE),
-    )
+    """The configuration from GENMESH_REQUEST_TRACE* (for embedders): the same
+    declarations `genmesh frontend --request-trace*` reads."""
+    return from_env(RecordsConfig, environ)

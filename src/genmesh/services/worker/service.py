@@ -26,6 +26,7 @@ from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.engines.base import Engine
 from genmesh.engines.execute import execute
 from genmesh.services.worker import tracing as worker_tracing
+from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
@@ -52,19 +53,6 @@ TOMBSTONE_TTL_S = 60.0
 TOMBSTONE_MAX = 100_000
 # Load changes are announced at most this often, so bursts cost one message.
 LOAD_REPORT_MIN_INTERVAL_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    worker_id: str
-    max_concurrency: int = 256
-    heartbeat_interval_s: float = 1.0
-    keepalive_interval_s: float = 5.0
-    # How often the engine's health is checked (twice as often while it is down).
-    health_interval_s: float = 1.0
-    # On SIGTERM: how long in-flight requests may take to finish before they are handed
-    # back to their requesters (retryable: they migrate to another worker).
-    drain_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,70 @@
+"""`genmesh frontend`: everything a frontend is configured with, declared once
+(`shared/settings.py` derives the flags, variables and --help from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
+from genmesh.services.frontend.records import RecordsConfig
+from genmesh.shared.bus import NatsAuth, nats_auth_group
+from genmesh.shared.connection import MeshConnection
+from genmesh.shared.settings import group, non_negative_float, option
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    mesh: MeshConnection = group(MeshConnection())
+    auth: NatsAuth = nats_auth_group()
+    host: str = option("127.0.0.1", help="HTTP listen address")
+    port: int = option(8000, help="HTTP port")
+    generate_format: str = option(
+        DEFAULT_GENERATE_FORMAT,
+        help="format that serves /generate (entry-point group genmesh.formats)",
+    )
+    codec: str = option("msgpack", help="codec for requests on the bus")
+    model: str = option("genmesh-mock", help="model name reported before any worker is known")
+    body_limit_mb: float = option(32.0, help="largest request body")
+    ack_timeout_s: float = option(
+        2.0,
+        flag="--ack-timeout",
+        parse=non_negative_float,
+        help="seconds to wait for a worker to acknowledge a request",
+    )
+    idle_timeout_s: float = option(
+        60.0,
+        flag="--idle-timeout",
+        parse=non_negative_float,
+        help="seconds a live worker may stay silent before a request fails (or migrates)",
+    )
+    ping_after_s: float = option(
+        0.5,
+        flag="--ping-after",
+        parse=non_negative_float,
+        help="seconds of silence after which a worker is pinged (no answer: it died, migrate)",
+    )
+    migration_limit: int = option(
+        3,
+        help="how many times a request may move to another worker after a failure; 0 = never",
+    )
+    request_timeout_s: float = option(
+        0.0,
+        flag="--request-timeout",
+        parse=non_negative_float,
+        help="seconds a request may take in all (HTTP 504 after); 0 = no limit; a request's "
+        "X-Request-Timeout header may set a shorter one",
+    )
+    records: RecordsConfig = group(RecordsConfig(), title="request trace records")
+
+
+def format_variables_help() -> str:
+    """The GENMESH_<NAME>_PATH variable of every installed format (read by the catalog,
+    `formats/catalog.py`), for `genmesh frontend --help`."""
+    from genmesh.formats.catalog import installed_formats, path_variable
+
+    lines = ["variables of the installed formats:"]
+    for name, cls in sorted(installed_formats().items()):
+        routes = ", ".join(f"{r.method} {r.path}" for r in cls.default_routes())
+        lines.append(f"  {path_variable(name)}")
+        lines.append(f"      serve the {name} format on this path instead of {routes}")
+    return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""`genmesh router`: everything a router is configured with, declared once
+(`shared/settings.py` derives the flags, variables and --help from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genmesh.services.router.policies import POLICIES
+from genmesh.shared.bus import NatsAuth, nats_auth_group
+from genmesh.shared.connection import MeshConnection
+from genmesh.shared.ids import new_router_id
+from genmesh.shared.metrics import MetricsConfig
+from genmesh.shared.settings import group, option
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    mesh: MeshConnection = group(MeshConnection())
+    auth: NatsAuth = nats_auth_group()
+    # Given by whoever starts routers and waits for them (`genmesh up`, the tests): a
+    # router's presence in discovery names it.
+    router_id: str = option(
+        default_factory=new_router_id, help="router id (a subject token); random if unset"
+    )
+    policy: str = option(
+        "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
+    )
+    metrics: MetricsConfig = group(MetricsConfig())
