@@ -34,7 +34,7 @@ import aiohttp
 from bench_generate import mesh_connection, start_mesh
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.supervisor import Supervisor, clean_environment, free_port, wait_http_ok
-from genmesh.testkit.common import MockServerConfig, TestkitConfig
+from genmesh.testkit.config import MockServerConfig, TestkitConfig
 
 TRIAL_TIMEOUT_S = 5.0
 POLL_S = 0.05

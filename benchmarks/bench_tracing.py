@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.mesh import Mesh, free_port
 
 from genmesh.shared.natsserver import NatsServer
-from genmesh.testkit import serving
+from genmesh.testkit.common import serving
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROMPT = [(7 * i + 1) % 50_000 for i in range(32)]

@@ -19,8 +19,8 @@ from typing import Any
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.router.config import RouterConfig
 from genmesh.services.worker.config import WorkerConfig, WorkerProcessConfig
-from genmesh.shared.bus import NatsAuth
 from genmesh.shared.connection import MeshConnection
+from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.settings import from_env, parse
 from genmesh.supervisor import (
@@ -32,7 +32,7 @@ from genmesh.supervisor import (
     wait_discovered,
     wait_http_ok,
 )
-from genmesh.testkit.common import TestkitConfig
+from genmesh.testkit.config import TestkitConfig
 
 # A service of a test's mesh: a supervised child (kill, terminate, log, alive, pid).
 Service = Child

@@ -33,13 +33,8 @@ from genmesh.cli import load_config_class
 from genmesh.client import MeshClient, request
 from genmesh.commandline import COMMANDS
 from genmesh.deploy import USERS, make_env, new_password, write_nkeys
-from genmesh.shared.bus import (
-    NatsAuth,
-    NatsPermissionDenied,
-    NatsUnreachable,
-    connect,
-    flush_in_order,
-)
+from genmesh.shared.bus import NatsPermissionDenied, NatsUnreachable, connect, flush_in_order
+from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.natsserver import NatsServer, find_nats_server
 from genmesh.shared.settings import variables
 from tests.conftest import unique_namespace

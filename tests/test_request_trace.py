@@ -24,11 +24,12 @@ from genmesh.client import MigrationReason
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.records import SCHEMA
 from genmesh.records.check import check, read_records
+from genmesh.records.config import RecordsConfig, config_from_env
 from genmesh.records.hashing import block_hashes, int32le, output_hash
 from genmesh.records.replay import outputs, replay
 from genmesh.records.sinks import FileSink, NatsSink, Record, Sink, dump, segment_paths
 from genmesh.services.frontend.app import build_app
-from genmesh.services.frontend.records import RecordsConfig, RequestRecords, config_from_env
+from genmesh.services.frontend.records import RequestRecords
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.envelope import Envelope

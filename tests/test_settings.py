@@ -14,15 +14,17 @@ from genmesh.cli import parse_command
 from genmesh.commandline import COMMANDS, command_argv
 from genmesh.commands import RequestConfig
 from genmesh.engines.mock import MockConfig
-from genmesh.records.check import TraceCheckConfig
-from genmesh.records.replay import TraceReplayConfig
+from genmesh.records.config import (
+    RecordsConfig,
+    TraceCheckConfig,
+    TraceReplayConfig,
+    config_from_env,
+)
 from genmesh.services.frontend.config import FrontendConfig
-from genmesh.services.frontend.records import RecordsConfig, config_from_env
 from genmesh.services.router.config import RouterConfig
 from genmesh.services.worker.config import WorkerConfig, WorkerProcessConfig
-from genmesh.shared.bus import NatsAuth
-from genmesh.shared.connection import MeshConnection
-from genmesh.shared.metrics import MetricsConfig
+from genmesh.shared.connection import MeshConnection, MetricsConfig
+from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.natsserver import NatsServerConfig
 from genmesh.shared.settings import (
     InvalidValue,
@@ -35,8 +37,8 @@ from genmesh.shared.settings import (
     to_env,
     variables,
 )
-from genmesh.testkit.common import MockServerConfig, TestkitConfig
-from genmesh.up import UpConfig
+from genmesh.testkit.config import MockServerConfig, TestkitConfig
+from genmesh.up.config import UpConfig
 
 MESH = MeshConnection(nats_url="nats://10.0.0.1:4222,nats://10.0.0.2:4222", namespace="n1")
 

@@ -56,8 +56,8 @@ from genmesh.shared import tracing
 from genmesh.shared.bus import connect
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import Subjects
-from genmesh.testkit import serving
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.common import serving
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang import build_app
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, frontend_options, wait_until

@@ -37,7 +37,7 @@ TRACING = (
 COMMANDS: dict[str, Command] = {
     "up": Command(
         "run NATS, routers, workers and the HTTP frontend as separate processes",
-        "genmesh.up:UpConfig",
+        "genmesh.up.config:UpConfig",
         "Run a whole mesh on this machine: a NATS server (unless --nats-url is given), "
         "routers, mock workers and the HTTP frontend, each its own process so they can be "
         "killed one by one. Ctrl-C or SIGTERM stops everything. Each service also reads its "
@@ -61,7 +61,7 @@ COMMANDS: dict[str, Command] = {
     "nats": Command("run the bundled NATS server", "genmesh.shared.natsserver:NatsServerConfig"),
     "testkit": Command(
         "run a mock SGLang or vLLM server (no GPU), for tests and demos",
-        "genmesh.testkit.common:TestkitConfig",
+        "genmesh.testkit.config:TestkitConfig",
         "Run a mock engine server that speaks SGLang's /generate or vLLM's "
         "/inference/v1/generate with deterministic tokens, and takes injected faults "
         "through /testkit/ admin routes (see genmesh.testkit.common).",
@@ -73,14 +73,14 @@ COMMANDS: dict[str, Command] = {
         actions={
             "check": Command(
                 "verify record files: schema, unique IDs, counts and hashes",
-                "genmesh.records.check:TraceCheckConfig",
+                "genmesh.records.config:TraceCheckConfig",
                 "Read .jsonl and .jsonl.gz record files (a PATH.jsonl.gz that does not "
                 "exist stands for its segments PATH.<n>.jsonl.gz), check every record, and "
                 "print counts by status and error type. Exits 0 if all is well, 1 if not.",
             ),
             "replay": Command(
                 "send recorded requests again and compare the outputs",
-                "genmesh.records.replay:TraceReplayConfig",
+                "genmesh.records.config:TraceReplayConfig",
                 "Send the request body of every payload record (--request-trace-payload) "
                 "to the same method and endpoint of URL, and compare each generation's "
                 "output hash with the recorded one. Exits 0 if nothing mismatched or "

@@ -1,5 +1,7 @@
 """What each `genmesh` subcommand does, given its typed config (the commands are listed in
-`genmesh.cli`; each config is declared next to the code it configures)."""
+`genmesh.commandline`; each config is declared next to the code it configures). The
+modules a command runs on are imported by its handler, so that parsing any command line
+imports no NATS or HTTP library."""
 
 from __future__ import annotations
 
@@ -10,28 +12,20 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genmesh.formats.catalog import ConfigError
-from genmesh.shared.bus import (
-    NatsAuth,
-    NatsAuthError,
-    NatsPermissionDenied,
-    NatsUnreachable,
-    nats_auth_group,
-)
 from genmesh.shared.connection import MeshConnection
+from genmesh.shared.credentials import NatsAuth, NatsAuthError, nats_auth_group
 from genmesh.shared.ids import is_subject_token
 from genmesh.shared.natsserver import NatsServer, NatsServerConfig, NatsServerError
 from genmesh.shared.settings import group, option, render_token_ids, token_ids
 
 if TYPE_CHECKING:
-    from genmesh.records.check import TraceCheckConfig
-    from genmesh.records.replay import TraceReplayConfig
+    from genmesh.records.config import TraceCheckConfig, TraceReplayConfig
     from genmesh.services.frontend.config import FrontendConfig
     from genmesh.services.router.config import RouterConfig
     from genmesh.services.worker.config import WorkerProcessConfig
     from genmesh.shared.envelope import Envelope
-    from genmesh.testkit.common import TestkitConfig
-    from genmesh.up import UpConfig
+    from genmesh.testkit.config import TestkitConfig
+    from genmesh.up.config import UpConfig
 
 
 def _fail(message: str) -> int:
@@ -40,6 +34,10 @@ def _fail(message: str) -> int:
 
 
 def _run_service(coro: Coroutine[Any, Any, None]) -> int:
+    # Imported here, not at the top: parsing a command (and its --help) stays quick.
+    from genmesh.formats.catalog import ConfigError
+    from genmesh.shared.bus import NatsPermissionDenied, NatsUnreachable
+
     try:
         asyncio.run(coro)
     except (NatsUnreachable, NatsPermissionDenied, ConfigError, NatsServerError, ValueError) as exc:
@@ -139,7 +137,7 @@ def cmd_testkit(config: TestkitConfig) -> int:
 
 async def _testkit(config: TestkitConfig) -> None:
     from genmesh.shared.lifecycle import stop_signals
-    from genmesh.testkit import serving
+    from genmesh.testkit.common import serving
 
     if config.engine == "sglang":
         from genmesh.testkit.sglang import build_app
@@ -152,7 +150,7 @@ async def _testkit(config: TestkitConfig) -> None:
 
 
 def cmd_up(config: UpConfig) -> int:
-    from genmesh.up import run_up
+    from genmesh.up.run import run_up
 
     return run_up(config)
 
@@ -222,6 +220,7 @@ def cmd_request(config: RequestConfig) -> int:
 async def _request(config: RequestConfig, envelope: Envelope) -> int:
     from genmesh.client import MeshClient
     from genmesh.shared import tracing
+    from genmesh.shared.bus import NatsPermissionDenied, NatsUnreachable
 
     try:  # OTEL_* variables: the request's attempts are a trace (console spans: stderr)
         tracing.configure("client", console=sys.stderr)

@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 import aiohttp
 
 from genmesh.commandline import command_argv
-from genmesh.shared.bus import NO_AUTH, NatsAuth, connect
+from genmesh.shared.bus import connect
+from genmesh.shared.credentials import NO_AUTH, NatsAuth
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects

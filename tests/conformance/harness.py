@@ -23,8 +23,8 @@ from genmesh.engines.http import HttpEngineConfig
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.ids import new_request_id
-from genmesh.testkit import serving
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.common import serving
+from genmesh.testkit.config import MockServerConfig
 
 VOCAB, EOS = 1000, 7
 ENGINES = ("mock", "sglang", "sglang-incremental", "vllm", "vllm-no-abort")

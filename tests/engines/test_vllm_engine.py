@@ -30,8 +30,8 @@ from genmesh.engines.vllm import (
 from genmesh.formats.vllm import VllmFormat
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
-from genmesh.testkit import serving
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.common import serving
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm import build_app, state_of
 
 VOCAB, EOS = 1000, 7

@@ -32,8 +32,8 @@ from genmesh.engines.mock import (
     advance,
     initial_state,
 )
-from genmesh.testkit import serving
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.common import serving
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang import build_app
 from tests.mesh import free_port
 

@@ -23,8 +23,8 @@ from genmesh.client import request
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.faults import ServerState
 from genmesh.engines.mock import MockConfig, MockEngine
-from genmesh.testkit import serving
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.common import serving
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm import build_app, state_of
 from tests.mesh import free_port, wait_until
 

@@ -10,7 +10,8 @@ import pytest
 
 from genmesh.cli import parse_command
 from genmesh.deploy import make_nkey
-from genmesh.shared.bus import NatsAuth, NatsAuthError, redact, server_list
+from genmesh.shared.bus import redact, server_list
+from genmesh.shared.credentials import NatsAuth, NatsAuthError
 
 
 def test_the_cli_options_and_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,13 +33,13 @@ from genmesh.client.migration import (
 from genmesh.codecs import Codec, get_codec
 from genmesh.shared import frames
 from genmesh.shared.bus import (
-    NatsAuth,
     check_subscriptions,
     connect,
     drain_or_close,
     publish,
     unsubscribe_quietly,
 )
+from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode

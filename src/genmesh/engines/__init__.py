@@ -1,21 +1,31 @@
-"""Engine adapters, by name: `mock` (in-process), `sglang` and `vllm` (HTTP clients)."""
+"""Engine adapters, by name: `mock` (in-process), `sglang` and `vllm` (HTTP clients).
+
+Adapters are imported when one is created: a config that names an engine (a worker's
+`--engine`) must not pull in an HTTP client just to show its --help.
+"""
 
 from __future__ import annotations
 
-from genmesh.engines.base import Engine
-from genmesh.engines.http import HttpEngineConfig
-from genmesh.engines.mock import MockConfig, MockEngine
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from genmesh.engines.base import Engine
+    from genmesh.engines.mock import MockConfig
 
 ENGINES = ("mock", "sglang", "vllm")
 
 
 def create_engine(name: str, *, url: str | None = None, mock: MockConfig | None = None) -> Engine:
     if name == "mock":
+        from genmesh.engines.mock import MockEngine
+
         return MockEngine(mock)
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; available: {', '.join(ENGINES)}")
     if not url:
         raise ValueError(f"the {name} engine needs --engine-url (its HTTP address)")
+    from genmesh.engines.http import HttpEngineConfig
+
     config = HttpEngineConfig(url=url)
     if name == "sglang":
         from genmesh.engines.sglang import SglangEngine

@@ -27,7 +27,6 @@ import orjson
 from genmesh.records import SCHEMA
 from genmesh.records.hashing import ALGORITHM, block_hashes, output_hash
 from genmesh.records.sinks import gz_stem, segment_paths
-from genmesh.shared.settings import option
 
 HASH = re.compile(r"^[0-9a-f]{16}$")
 MAX_SHOWN = 20
@@ -409,19 +408,6 @@ def render(summary: Summary) -> str:
     else:
         lines.append("OK")
     return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class TraceCheckConfig:
-    """`genmesh trace check` (no variables: a check is a one-off)."""
-
-    files: tuple[str, ...] = option(
-        positional=True, repeat=True, env=None, metavar="FILE", help="record files or segments"
-    )
-    expect: int | None = option(
-        None, env=None, help="fail unless there are exactly this many records"
-    )
-    as_json: bool = option(False, flag="--json", env=None, help="print the summary as JSON")
 
 
 def main_check(files: list[str], *, expect: int | None = None, as_json: bool = False) -> int:

@@ -34,7 +34,6 @@ import orjson
 
 from genmesh.records.check import read_records
 from genmesh.records.hashing import output_hash
-from genmesh.shared.settings import option, positive_int
 
 DETERMINISTIC_REFUSALS = frozenset({400, 404, 422, 501})
 MAX_SHOWN = 20
@@ -292,22 +291,6 @@ def render(summary: ReplaySummary) -> str:
                 lines.append(f"  ... and {len(entries) - MAX_SHOWN} more")
     lines.append("OK" if summary.ok else "FAILED")
     return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class TraceReplayConfig:
-    """`genmesh trace replay` (no variables: a replay is a one-off)."""
-
-    files: tuple[str, ...] = option(
-        positional=True, repeat=True, env=None, metavar="FILE", help="record files or segments"
-    )
-    url: str = option(env=None, help="frontend address, e.g. http://127.0.0.1:8000")
-    concurrency: int = option(8, env=None, parse=positive_int, help="requests in flight at once")
-    timeout_s: float = option(
-        120.0, flag="--timeout", env=None, help="seconds one replayed request may take"
-    )
-    as_json: bool = option(False, flag="--json", env=None, help="print the summary as JSON")
-    progress: bool = option(True, flag="--no-progress", env=None, help="no progress bar on stderr")
 
 
 def main_replay(

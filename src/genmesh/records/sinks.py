@@ -20,12 +20,14 @@ import re
 from abc import ABC, abstractmethod
 from io import BufferedIOBase
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from nats.aio.client import Client
 
-from genmesh.shared.bus import flush_in_order
+from genmesh.records.config import DEFAULT_ROLL_MB
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,6 @@ Line = bytes  # one record: JSON and a newline
 
 GZ_SUFFIX = ".jsonl.gz"
 GZ_LEVEL = 3  # half the CPU of gzip's default 6, for files about 10 % larger
-DEFAULT_ROLL_MB = 256.0
 
 
 class Sink(ABC):
@@ -283,6 +284,8 @@ class NatsSink(Sink):
     async def _close_output(self) -> None:
         if self.nc.is_connected:
             try:
+                from genmesh.shared.bus import flush_in_order  # not for --help's sake
+
                 await flush_in_order(self.nc, timeout=5)
             except Exception as exc:
                 log.warning("request records: NATS flush failed: %r", exc)

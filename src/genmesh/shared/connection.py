@@ -1,5 +1,7 @@
 """The options every process that joins a mesh takes: which NATS, which namespace, how
-much to log. Declared once here; each role's config holds it as its `mesh` group."""
+much to log (`MeshConnection`, each role's `mesh` group), and where a router or worker
+serves its metrics (`MetricsConfig`). Declared once here, in a module that imports no
+NATS or HTTP library, so that a command's --help stays quick."""
 
 from __future__ import annotations
 
@@ -18,3 +20,15 @@ class MeshConnection:
     )
     namespace: str = option("default", help="mesh namespace (a subject token)")
     log_level: str = option("info", choices=LOG_LEVELS, help="log level")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Where a router or worker serves its metrics (`--metrics-port`, `--metrics-host`)."""
+
+    port: int = option(
+        0,
+        flag="--metrics-port",
+        help="HTTP port serving Prometheus metrics on /metrics; 0 = off",
+    )
+    host: str = option("127.0.0.1", flag="--metrics-host", help="metrics listen address")

@@ -27,7 +27,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from genmesh.shared.settings import option
+from genmesh.shared.connection import MetricsConfig
 
 log = logging.getLogger(__name__)
 
@@ -197,18 +197,6 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Me
     bound = runner.addresses[0][1]
     log.info("metrics on http://%s:%d%s", host, bound, METRICS_PATH)
     return MetricsServer(runner, bound)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricsConfig:
-    """Where a router or worker serves its metrics (`--metrics-port`, `--metrics-host`)."""
-
-    port: int = option(
-        0,
-        flag="--metrics-port",
-        help="HTTP port serving Prometheus metrics on /metrics; 0 = off",
-    )
-    host: str = option("127.0.0.1", flag="--metrics-host", help="metrics listen address")
 
 
 @contextlib.asynccontextmanager

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
-from genmesh.services.frontend.records import RecordsConfig
-from genmesh.shared.bus import NatsAuth, nats_auth_group
+from genmesh.records.config import RecordsConfig
 from genmesh.shared.connection import MeshConnection
+from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.settings import group, non_negative_float, option
 
 

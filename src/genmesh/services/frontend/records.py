@@ -17,66 +17,24 @@ import math
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from nats.aio.client import Client
 
 from genmesh.client import MIG, ClientFrame
 from genmesh.client.migration import attempt_id
 from genmesh.records import SCHEMA
+from genmesh.records.config import RecordsConfig
 from genmesh.records.hashing import ALGORITHM, DEFAULT_BLOCK_SIZE, block_hashes, output_hash
-from genmesh.records.sinks import DEFAULT_ROLL_MB, FileSink, NatsSink, Record, Sink, dump
+from genmesh.records.sinks import FileSink, NatsSink, Record, Sink, dump
 from genmesh.services.frontend.observers import RequestInfo
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.settings import from_env, non_negative_float, option, positive_int
 
 log = logging.getLogger(__name__)
 
 # Request headers a format may read, kept in payload records so that a replay sends them.
 REPLAY_HEADERS = ("content-type", "x-request-id", "x-request-timeout", "x-data-parallel-rank")
 CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True, slots=True)
-class RecordsConfig:
-    """`genmesh frontend --request-trace*` / `GENMESH_REQUEST_TRACE*`."""
-
-    path: str | None = option(
-        None,
-        flag="--request-trace",
-        help="write one trace record per request to this file: PATH.jsonl (appended) or "
-        "PATH.jsonl.gz (segments PATH.<n>.jsonl.gz that roll)",
-    )
-    payload: bool = option(
-        False,
-        flag="--request-trace-payload",
-        help="records also hold the request body and the prompt and output token ids",
-    )
-    nats: bool = option(
-        False, flag="--request-trace-nats", help="publish each record on genmesh.<ns>.trace"
-    )
-    roll_mb: float = option(
-        DEFAULT_ROLL_MB,
-        flag="--request-trace-roll-mb",
-        parse=non_negative_float,
-        help=".jsonl.gz: start a new segment after this many MiB of JSON; 0 = no limit",
-    )
-    roll_lines: int = option(
-        0,
-        flag="--request-trace-roll-lines",
-        help=".jsonl.gz: start a new segment after this many records; 0 = no limit",
-    )
-    block_size: int = option(
-        DEFAULT_BLOCK_SIZE,
-        flag="--request-trace-block-size",
-        parse=positive_int,
-        help="tokens per prompt block hash in the records",
-    )
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.path) or self.nats
 
 
 class RequestRecords:
@@ -353,9 +311,3 @@ def _headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     if not headers:
         return {}
     return {name: value for name in REPLAY_HEADERS if (value := headers.get(name)) is not None}
-
-
-def config_from_env(environ: Mapping[str, str] | None = None) -> RecordsConfig:
-    """The configuration from GENMESH_REQUEST_TRACE* (for embedders): the same
-    declarations `genmesh frontend --request-trace*` reads."""
-    return from_env(RecordsConfig, environ)

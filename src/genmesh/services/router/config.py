@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genmesh.services.router.policies import POLICIES
-from genmesh.shared.bus import NatsAuth, nats_auth_group
-from genmesh.shared.connection import MeshConnection
+from genmesh.shared.connection import MeshConnection, MetricsConfig
+from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_router_id
-from genmesh.shared.metrics import MetricsConfig
 from genmesh.shared.settings import group, option
 
 

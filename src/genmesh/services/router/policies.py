@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from genmesh.shared.discovery import WorkerInfo
+if TYPE_CHECKING:  # imported for types only: the router's --help lists the policies
+    from genmesh.shared.discovery import WorkerInfo
 
 
 class Policy(Protocol):

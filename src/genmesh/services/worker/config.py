@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 from genmesh.engines import ENGINES
 from genmesh.engines.mock import MockConfig
-from genmesh.shared.bus import NatsAuth, nats_auth_group
-from genmesh.shared.connection import MeshConnection
+from genmesh.shared.connection import MeshConnection, MetricsConfig
+from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
-from genmesh.shared.metrics import MetricsConfig
 from genmesh.shared.settings import group, non_negative_float, option, positive_int
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from genmesh.engines.faults import Fault, ServerState
-from genmesh.testkit.common import MockServerConfig, add_admin_routes
+from genmesh.testkit.common import add_admin_routes
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang.info import InfoRoutes
 from genmesh.testkit.sglang.normalize import Item
 from genmesh.testkit.sglang.request import JSON, Malformed, Rejected, as_bool, check_body

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang.request import JSON, Rejected, is_int
 from genmesh.testkit.sglang.sampling import parse_sampling
 

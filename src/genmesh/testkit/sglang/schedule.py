@@ -25,7 +25,7 @@ from genmesh.engines.mock import (
     initial_state,
 )
 from genmesh.shared.tasks import wait_event
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang.normalize import Item, normalize
 from genmesh.testkit.sglang.request import JSON, Rejected
 from genmesh.testkit.sglang.response import (

@@ -18,7 +18,8 @@ from aiohttp import web
 
 from genmesh.engines.faults import ServerState
 from genmesh.testkit.common import STATE as STATE_KEY
-from genmesh.testkit.common import MockServerConfig, add_admin_routes
+from genmesh.testkit.common import add_admin_routes
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm.errors import ApiError, error_body
 from genmesh.testkit.vllm.request import (
     GENERATE_PATH,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genmesh.engines.mock import MAX_TOP_LOGPROBS
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm.errors import ApiError, type_error
 from genmesh.testkit.vllm.sampling import (
     DEFAULT_MAX_TOKENS,

@@ -26,7 +26,7 @@ from aiohttp import web
 from genmesh.engines.faults import Fault, Running, ServerState
 from genmesh.engines.mock import TokenModel
 from genmesh.shared.tasks import wait_event
-from genmesh.testkit.common import MockServerConfig
+from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm.decode import Sample, prompt_state
 from genmesh.testkit.vllm.errors import error_body
 from genmesh.testkit.vllm.request import ENGINE_ID_PREFIX, GenerateOptions, budget

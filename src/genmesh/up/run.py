@@ -1,4 +1,4 @@
-"""`genmesh up`: a whole mesh on one machine, each service its own OS process."""
+"""Running `genmesh up`: NATS, routers, workers and the frontend, as supervised processes."""
 
 from __future__ import annotations
 
@@ -6,58 +6,21 @@ import asyncio
 import itertools
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from genmesh.services.frontend.config import FrontendConfig
-from genmesh.services.router.config import RouterConfig
 from genmesh.services.worker.config import WorkerProcessConfig
-from genmesh.shared.bus import (
-    NatsAuth,
-    NatsAuthError,
-    NatsUnreachable,
-    connect,
-    nats_auth_group,
-    redact,
-)
-from genmesh.shared.connection import MeshConnection
+from genmesh.shared.bus import NatsUnreachable, connect, redact
+from genmesh.shared.connection import MetricsConfig
+from genmesh.shared.credentials import NatsAuth, NatsAuthError
 from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.lifecycle import STOP_SIGNALS
-from genmesh.shared.metrics import MetricsConfig
 from genmesh.shared.natsserver import NatsServerError
-from genmesh.shared.settings import group, option, positive_int, variables
+from genmesh.shared.settings import variables
 from genmesh.supervisor import ChildExited, NotReady, Supervisor, wait_http_ok
+from genmesh.up.config import UpConfig
 
 READY_TIMEOUT_S = 30.0
 WATCH_INTERVAL_S = 0.1
-
-
-@dataclass(frozen=True, slots=True)
-class UpConfig:
-    """`genmesh up`: the options of the services it starts, re-used from their own
-    declarations, and its own: how many of each, engine URLs, the first metrics port."""
-
-    mesh: MeshConnection = group(MeshConnection(nats_url=""))  # "": start an embedded one
-    auth: NatsAuth = nats_auth_group()
-    frontend: FrontendConfig = group(FrontendConfig(), only=("host", "port"))
-    workers: int = option(2, help="number of worker processes")
-    routers: int = option(1, parse=positive_int, help="number of router processes")
-    router: RouterConfig = group(RouterConfig(), only=("policy",))
-    worker: WorkerProcessConfig = group(
-        WorkerProcessConfig(),
-        only=("engine", "service.max_concurrency", "service.drain_timeout_s", "mock"),
-    )
-    engine_urls: tuple[str, ...] = option(
-        (),
-        flag="--engine-url",
-        repeat=True,
-        help="HTTP address of an SGLang/vLLM server; repeat for several, one worker each",
-    )
-    metrics_port: int = option(
-        0,
-        flag="--metrics-port",
-        help="first Prometheus metrics port: routers, then workers, get one each from it; 0 = off",
-    )
-    metrics: MetricsConfig = group(MetricsConfig(), only=("host",))
 
 
 def _say(message: str) -> None:

@@ -1,0 +1,43 @@
+"""`genmesh testkit`: a mock engine server's options, declared once (`shared/settings.py`),
+in a module that imports nothing heavy so --help stays quick."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genmesh.shared.connection import LOG_LEVELS
+from genmesh.shared.settings import group, non_negative_float, option, positive_int
+
+
+@dataclass(frozen=True, slots=True)
+class MockServerConfig:
+    """Settings of a mock engine server (`genmesh testkit sglang|vllm --help`)."""
+
+    # Own variables: a mock engine beside a frontend must not take the frontend's model.
+    model: str = option("genmesh-mock", env="GENMESH_TESTKIT_MODEL", help="served model name")
+    vocab_size: int = option(151_936, parse=positive_int, help="vocabulary")
+    eos_token_id: int = option(151_645, help="EOS token id")
+    max_model_len: int = option(32_768, parse=positive_int, help="context length")
+    token_delay_ms: float = option(0.0, parse=non_negative_float, help="per token")
+    # SGLang: --incremental-streaming-output (deltas) instead of cumulative chunks.
+    incremental: bool = option(False, help="SGLang: incremental (delta) streaming output")
+    # vLLM: --tokens-only, which also registers POST /abort_requests.
+    tokens_only: bool = option(
+        True, flag="--no-tokens-only", help="vLLM: without --tokens-only (no /abort_requests)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TestkitConfig:
+    """`genmesh testkit`: which engine to mock, where, and how it behaves."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    engine: str = option(
+        positional=True, env=None, choices=("sglang", "vllm"), help="which engine to mock"
+    )
+    # Own variables: a mock engine beside a frontend must not take the frontend's address.
+    host: str = option("127.0.0.1", env="GENMESH_TESTKIT_HOST", help="listen address")
+    port: int = option(30000, env="GENMESH_TESTKIT_PORT", help="HTTP port")
+    server: MockServerConfig = group(MockServerConfig())
+    log_level: str = option("warning", choices=LOG_LEVELS, help="log level")

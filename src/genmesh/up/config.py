@@ -1,0 +1,43 @@
+"""`genmesh up`: its options, declared once (`shared/settings.py`), re-using the
+declarations of the services it starts. A module that imports nothing heavy, so --help
+stays quick."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genmesh.services.frontend.config import FrontendConfig
+from genmesh.services.router.config import RouterConfig
+from genmesh.services.worker.config import WorkerProcessConfig
+from genmesh.shared.connection import MeshConnection, MetricsConfig
+from genmesh.shared.credentials import NatsAuth, nats_auth_group
+from genmesh.shared.settings import group, option, positive_int
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """`genmesh up`: the options of the services it starts, re-used from their own
+    declarations, and its own: how many of each, engine URLs, the first metrics port."""
+
+    mesh: MeshConnection = group(MeshConnection(nats_url=""))  # "": start an embedded one
+    auth: NatsAuth = nats_auth_group()
+    frontend: FrontendConfig = group(FrontendConfig(), only=("host", "port"))
+    workers: int = option(2, help="number of worker processes")
+    routers: int = option(1, parse=positive_int, help="number of router processes")
+    router: RouterConfig = group(RouterConfig(), only=("policy",))
+    worker: WorkerProcessConfig = group(
+        WorkerProcessConfig(),
+        only=("engine", "service.max_concurrency", "service.drain_timeout_s", "mock"),
+    )
+    engine_urls: tuple[str, ...] = option(
+        (),
+        flag="--engine-url",
+        repeat=True,
+        help="HTTP address of an SGLang/vLLM server; repeat for several, one worker each",
+    )
+    metrics_port: int = option(
+        0,
+        flag="--metrics-port",
+        help="first Prometheus metrics port: routers, then workers, get one each from it; 0 = off",
+    )
+    metrics: MetricsConfig = group(MetricsConfig(), only=("host",))
