@@ -160,8 +160,18 @@ class Mesh:
         )
         config = parse(WorkerProcessConfig, extra_args, environ={}, defaults=config)
         child = self.supervisor.spawn_genmesh(wid, config, env=self._env("worker"))
-        if wait and self.http_port:
+        if wait and self.http_port:  # known to the frontend, which is what tests talk to
             self.wait_for_workers(lambda ids: wid in ids, what=f"worker {wid} to be known")
+        elif wait:  # no frontend yet: announced in discovery
+            run_blocking(
+                wait_discovered(
+                    self.nats_url,
+                    self.namespace,
+                    workers=[wid],
+                    auth=self._probe_auth(),
+                    watch=[child],
+                )
+            )
         return child
 
     def add_frontend(

@@ -1093,9 +1093,8 @@ def _connection_name(service: Any) -> str:
 
 
 def _router_id(service: Any) -> str:
-    match = re.search(r"router (r[0-9a-f]+) ", service.log())
-    assert match, service.log()[-2000:]
-    return match.group(1)
+    router_id: str = service.config.router_id
+    return router_id
 
 
 def _metric(http_url: str, name: str) -> float:
