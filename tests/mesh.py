@@ -37,7 +37,15 @@ from genmesh.testkit.config import TestkitConfig
 # A service of a test's mesh: a supervised child (kill, terminate, log, alive, pid).
 Service = Child
 
-__all__ = ["Mesh", "Service", "free_port", "frontend_options", "start_mesh", "wait_until"]
+__all__ = [
+    "Mesh",
+    "Service",
+    "free_port",
+    "frontend_options",
+    "start_mesh",
+    "wait_until",
+    "worker_config",
+]
 
 
 def wait_until(
@@ -124,40 +132,13 @@ class Mesh:
         self,
         worker_id: str | None = None,
         *,
-        speedup: float = 0.0,
-        vocab_size: int | None = None,
-        eos_token_id: int | None = None,
-        max_concurrency: int | None = None,
-        heartbeat: float | None = None,
-        engine: str = "mock",
-        engine_url: str | None = None,
-        testkit_faults: bool = False,
-        drain_timeout: float | None = None,
         wait: bool = True,
         extra_args: tuple[str, ...] = (),
+        **options: Any,
     ) -> Service:
+        """A worker process; `options` as `worker_config` takes them."""
         wid = worker_id or new_worker_id()
-        defaults = WorkerProcessConfig()
-        service = WorkerConfig(wid)
-        if max_concurrency is not None:
-            service = replace(service, max_concurrency=max_concurrency)
-        if heartbeat is not None:
-            service = replace(service, heartbeat_interval_s=heartbeat)
-        if drain_timeout is not None:
-            service = replace(service, drain_timeout_s=drain_timeout)
-        mock = replace(defaults.mock, speedup=speedup)
-        if vocab_size is not None:
-            mock = replace(mock, vocab_size=vocab_size)
-        if eos_token_id is not None:
-            mock = replace(mock, eos_token_id=eos_token_id)
-        config = WorkerProcessConfig(
-            mesh=self.connection,
-            service=service,
-            engine=engine,
-            engine_url=engine_url,
-            mock=mock,
-            testkit_faults=testkit_faults,
-        )
+        config = worker_config(self.connection, wid, **options)
         config = parse(WorkerProcessConfig, extra_args, environ={}, defaults=config)
         child = self.supervisor.spawn_genmesh(wid, config, env=self._env("worker"))
         if wait and self.http_port:  # known to the frontend, which is what tests talk to
@@ -252,6 +233,43 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def worker_config(
+    connection: MeshConnection,
+    worker_id: str,
+    *,
+    speedup: float = 0.0,
+    vocab_size: int | None = None,
+    eos_token_id: int | None = None,
+    max_concurrency: int | None = None,
+    heartbeat: float | None = None,
+    engine: str = "mock",
+    engine_url: str | None = None,
+    testkit_faults: bool = False,
+    drain_timeout: float | None = None,
+) -> WorkerProcessConfig:
+    """A test worker's config: an instant mock engine unless `speedup` says otherwise."""
+    service = WorkerConfig(worker_id)
+    if max_concurrency is not None:
+        service = replace(service, max_concurrency=max_concurrency)
+    if heartbeat is not None:
+        service = replace(service, heartbeat_interval_s=heartbeat)
+    if drain_timeout is not None:
+        service = replace(service, drain_timeout_s=drain_timeout)
+    mock = replace(WorkerProcessConfig().mock, speedup=speedup)
+    if vocab_size is not None:
+        mock = replace(mock, vocab_size=vocab_size)
+    if eos_token_id is not None:
+        mock = replace(mock, eos_token_id=eos_token_id)
+    return WorkerProcessConfig(
+        mesh=connection,
+        service=service,
+        engine=engine,
+        engine_url=engine_url,
+        mock=mock,
+        testkit_faults=testkit_faults,
+    )
 
 
 def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendConfig:

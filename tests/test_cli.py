@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh import Mesh, free_port, wait_until
+from tests.inproc import AnyMesh
+from tests.mesh import free_port, wait_until
+
+pytestmark = pytest.mark.process
 
 GENMESH = [sys.executable, "-m", "genmesh"]
 
@@ -46,6 +49,7 @@ def test_every_command_has_help(command: list[str]) -> None:
         assert "[env GENMESH_" in out.stdout  # every option names its variable
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("terminal", [False, True], ids=["up-only", "whole-group"])
 def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path, terminal: bool) -> None:
     """SIGINT to `genmesh up` alone, and as a terminal's Ctrl-C sends it: to the whole
@@ -165,7 +169,7 @@ def test_unknown_generate_format_fails_start_up(nats_url: str) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_frontend_port_in_use_is_a_clear_error(mesh: Mesh) -> None:
+def test_frontend_port_in_use_is_a_clear_error(mesh: AnyMesh) -> None:
     out = subprocess.run(
         [*GENMESH, "frontend", "--nats-url", mesh.nats_url, "--port", str(mesh.http_port)],
         capture_output=True,
@@ -178,7 +182,7 @@ def test_frontend_port_in_use_is_a_clear_error(mesh: Mesh) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_request_prints_frames(mesh: Mesh) -> None:
+def test_request_prints_frames(mesh: AnyMesh) -> None:
     out = subprocess.run(
         [
             *GENMESH, "request", "--nats-url", mesh.nats_url, "--namespace", mesh.namespace,
@@ -195,7 +199,7 @@ def test_request_prints_frames(mesh: Mesh) -> None:
     assert frames[-1]["usage"]["completion_tokens"] == 2
 
 
-def test_request_exits_1_on_err(mesh: Mesh) -> None:
+def test_request_exits_1_on_err(mesh: AnyMesh) -> None:
     out = subprocess.run(
         [
             *GENMESH, "request", "--nats-url", mesh.nats_url, "--namespace", mesh.namespace,

@@ -40,6 +40,8 @@ from genmesh.shared.settings import variables
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, free_port, start_mesh, wait_until
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
@@ -533,6 +535,7 @@ def secured_mesh(
     mesh.stop()
 
 
+@pytest.mark.process
 async def test_the_mesh_works_with_each_roles_credentials(
     secured_mesh: Mesh, secured_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -594,6 +597,7 @@ async def frames_of(client: MeshClient, envelope: Any) -> list[dict[str, Any]]:
     return [frame async for frame in client.generate(envelope)]
 
 
+@pytest.mark.process
 async def test_a_client_reads_only_its_own_inbox(
     secured_mesh: Mesh, secured_server: NatsServer
 ) -> None:
@@ -654,6 +658,7 @@ async def test_a_client_reads_only_its_own_inbox(
     assert json.loads(done.stdout.splitlines()[-1])["t"] == "end"
 
 
+@pytest.mark.process
 async def test_a_service_with_the_wrong_user_stops_with_a_clear_error(
     secured_server: NatsServer,
 ) -> None:
@@ -773,6 +778,7 @@ async def served(client: MeshClient, timeout: float = 15.0) -> list[dict[str, An
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.process
 async def test_nkey_users(tmp_path: Path) -> None:
     """mesh-nkeys.conf: the server holds public keys only; services sign with seed files
     (GENMESH_NATS_NKEY_SEED=path), the client with the seed itself."""
@@ -803,6 +809,7 @@ async def test_nkey_users(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.process
 async def test_mutual_tls(test_ca: Path, tmp_path: Path) -> None:
     """mesh-tls.conf: TLS with client certificates required, roles still by password."""
     server = start_server(tmp_path / "nats", "mesh-tls.conf", tls_server_env(test_ca))
@@ -951,6 +958,7 @@ def cluster(tmp_path: Path) -> Iterator[list[NatsServer]]:
             server.stop()
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize(
     "dies",
     [
@@ -1111,6 +1119,7 @@ def _metric(http_url: str, name: str) -> float:
 # `genmesh up` against a secured server
 
 
+@pytest.mark.process
 def test_up_hands_its_credentials_to_every_child(
     secured_server: NatsServer, tmp_path: Path
 ) -> None:

@@ -1,5 +1,5 @@
-"""Workers in front of real engine servers (the testkit's mock SGLang and vLLM servers, as
-separate processes): the whole path HTTP -> frontend -> NATS -> router -> worker -> engine."""
+"""Workers in front of engine servers (the testkit's mock SGLang and vLLM servers, over real
+sockets): the whole path HTTP -> frontend -> NATS -> router -> worker -> engine, in process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,16 +16,19 @@ from genmesh.client import request
 from genmesh.engines.mock import MockEngine
 from tests.conftest import unique_namespace
 from tests.http_util import post, stream
-from tests.mesh import Mesh, wait_until
+from tests.inproc import InProcessMesh
+from tests.mesh import wait_until
+
+pytestmark = pytest.mark.inproc
 
 ENGINES = ("sglang", "vllm")
 
 
 @pytest.fixture(params=ENGINES)
-def engine_mesh(request: pytest.FixtureRequest, nats_url: str, tmp_path: Path) -> Iterator[Any]:
+def engine_mesh(request: pytest.FixtureRequest, nats_url: str) -> Iterator[Any]:
     """A router, a frontend, a mock engine server and one worker in front of it."""
     engine = request.param
-    mesh = Mesh(nats_url, tmp_path, unique_namespace(engine))
+    mesh = InProcessMesh(nats_url, unique_namespace(engine))
     try:
         _, url = mesh.spawn_engine_server(engine)
         mesh.add_router()
@@ -143,8 +145,8 @@ async def test_the_worker_follows_its_engines_health(engine_mesh: Any) -> None:
     assert (await post(mesh.http_url + path, body, headers=JSON)).status == 200
 
 
-def test_a_worker_waits_for_its_engine(nats_url: str, tmp_path: Path) -> None:
-    mesh = Mesh(nats_url, tmp_path, unique_namespace("wait"))
+def test_a_worker_waits_for_its_engine(nats_url: str) -> None:
+    mesh = InProcessMesh(nats_url, unique_namespace("wait"))
     try:
         mesh.add_router()
         mesh.add_frontend()

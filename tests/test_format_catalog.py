@@ -17,7 +17,10 @@ from genmesh.formats.base import Route
 from genmesh.formats.catalog import ConfigError, load_generate_formats
 from genmesh.formats.sglang import SglangFormat
 from tests.http_util import post, stream
+from tests.inproc import AnyMesh
 from tests.mesh import Mesh, free_port
+
+pytestmark = pytest.mark.unit
 
 PLUGIN = Path(__file__).parent / "plugins" / "echo_format"
 
@@ -121,7 +124,7 @@ def plugin_env(plugin_path: Path, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def echo_mesh(mesh: Mesh, plugin_path: Path, tmp_path: Path) -> Iterator[Mesh]:
+def echo_mesh(mesh: AnyMesh, plugin_path: Path, tmp_path: Path) -> Iterator[Mesh]:
     """A second frontend, with the plugin installed, in front of the shared mesh."""
     other = Mesh(mesh.nats_url, tmp_path, mesh.namespace)
     other.add_frontend(env=plugin_env(plugin_path))
@@ -129,6 +132,7 @@ def echo_mesh(mesh: Mesh, plugin_path: Path, tmp_path: Path) -> Iterator[Mesh]:
     other.stop()
 
 
+@pytest.mark.process
 async def test_an_installed_third_party_format_is_served(echo_mesh: Mesh) -> None:
     reply = await post(echo_mesh.http_url + "/echo/generate", {"tokens": [1, 2, 3], "max": 5})
     assert reply.status == 200, reply.body
@@ -143,7 +147,8 @@ async def test_an_installed_third_party_format_is_served(echo_mesh: Mesh) -> Non
     assert (await post(echo_mesh.http_url + "/generate", {"input_ids": [1]})).status == 200
 
 
-def test_a_clashing_third_party_route_stops_start_up(mesh: Mesh, plugin_path: Path) -> None:
+@pytest.mark.process
+def test_a_clashing_third_party_route_stops_start_up(mesh: AnyMesh, plugin_path: Path) -> None:
     out = subprocess.run(
         [
             sys.executable, "-m", "genmesh", "frontend", "--nats-url", mesh.nats_url,

@@ -20,27 +20,38 @@ from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post
+from tests.inproc import AnyMesh, InProcessMesh
 from tests.mesh import Mesh, frontend_options, wait_until
+
+pytestmark = pytest.mark.inproc
 
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 
 
 @pytest.fixture
-def own_mesh(nats_url: str, tmp_path: Path) -> Iterator[Mesh]:
+def own_mesh(nats_url: str) -> Iterator[InProcessMesh]:
     """An empty mesh for one test: add routers, workers and a frontend as the test needs."""
+    mesh = InProcessMesh(nats_url, unique_namespace("own"))
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture
+def proc_mesh(nats_url: str, tmp_path: Path) -> Iterator[Mesh]:
+    """The same, each service an OS process: for the tests that kill or signal them."""
     mesh = Mesh(nats_url, tmp_path, unique_namespace("own"))
     yield mesh
     mesh.stop()
 
 
-def card(mesh: Mesh, worker_id: str) -> dict[str, Any]:
+def card(mesh: AnyMesh, worker_id: str) -> dict[str, Any]:
     for worker in mesh.server_info()["genmesh"]["workers"]:
         if worker["id"] == worker_id:
             return dict(worker)
     raise KeyError(worker_id)
 
 
-async def test_no_worker_is_503_at_once(own_mesh: Mesh, nats_url: str) -> None:
+async def test_no_worker_is_503_at_once(own_mesh: InProcessMesh, nats_url: str) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
     async with aiohttp.ClientSession() as s, s.get(own_mesh.http_url + "/health") as r:
@@ -63,23 +74,24 @@ async def test_no_worker_is_503_at_once(own_mesh: Mesh, nats_url: str) -> None:
     assert elapsed < client.ack_timeout_s / 2
 
 
-async def test_health_needs_a_router_too(own_mesh: Mesh) -> None:
-    own_mesh.add_frontend()
-    own_mesh.add_worker()
-    async with aiohttp.ClientSession() as s, s.get(own_mesh.http_url + "/health") as r:
+@pytest.mark.process
+async def test_health_needs_a_router_too(proc_mesh: Mesh) -> None:
+    proc_mesh.add_frontend()
+    proc_mesh.add_worker()
+    async with aiohttp.ClientSession() as s, s.get(proc_mesh.http_url + "/health") as r:
         assert r.status == 503
         assert "no router" in await r.text()
-    router = own_mesh.add_router()
+    router = proc_mesh.add_router()
     await asyncio.to_thread(
-        wait_until, lambda: own_mesh._http_ok("/health"), 5.0, 0.05, "health with a router"
+        wait_until, lambda: proc_mesh._http_ok("/health"), 5.0, 0.05, "health with a router"
     )
     router.terminate()  # a clean stop says goodbye: readiness drops at once
     await asyncio.to_thread(
-        wait_until, lambda: not own_mesh._http_ok("/health"), 1.0, 0.02, "health to drop"
+        wait_until, lambda: not proc_mesh._http_ok("/health"), 1.0, 0.02, "health to drop"
     )
 
 
-async def test_oversized_and_pathological_bodies(own_mesh: Mesh) -> None:
+async def test_oversized_and_pathological_bodies(own_mesh: InProcessMesh) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend("--body-limit-mb", "0.001")
     own_mesh.add_worker()
@@ -93,26 +105,31 @@ async def test_oversized_and_pathological_bodies(own_mesh: Mesh) -> None:
     assert reply.status == 200
 
 
-async def test_several_routers_share_the_load_and_survive_each_other(own_mesh: Mesh) -> None:
-    routers = [own_mesh.add_router(), own_mesh.add_router()]
-    own_mesh.add_frontend()
-    workers = [own_mesh.add_worker() for _ in range(3)]
+@pytest.mark.chaos
+async def test_several_routers_share_the_load_and_survive_each_other(
+    proc_mesh: Mesh,
+) -> None:
+    routers = [proc_mesh.add_router(), proc_mesh.add_router()]
+    proc_mesh.add_frontend()
+    workers = [proc_mesh.add_worker() for _ in range(3)]
     for _ in range(30):
-        reply = await post(own_mesh.http_url + "/generate", BODY)
+        reply = await post(proc_mesh.http_url + "/generate", BODY)
         assert reply.status == 200
     wait_until(
-        lambda: sum(card(own_mesh, w.name)["stats"]["admitted"] for w in workers) == 30,
+        lambda: sum(card(proc_mesh, w.name)["stats"]["admitted"] for w in workers) == 30,
         what="all 30 requests to be counted",
     )
-    served = {w.name: card(own_mesh, w.name)["stats"]["admitted"] for w in workers}
+    served = {w.name: card(proc_mesh, w.name)["stats"]["admitted"] for w in workers}
     assert all(n > 0 for n in served.values()), served
     routers[0].kill()
     for _ in range(10):
-        reply = await post(own_mesh.http_url + "/generate", BODY)
+        reply = await post(proc_mesh.http_url + "/generate", BODY)
         assert reply.status == 200, "the surviving router takes the whole queue group"
 
 
-async def test_new_worker_is_routable_within_a_second(own_mesh: Mesh, nats_url: str) -> None:
+async def test_new_worker_is_routable_within_a_second(
+    own_mesh: InProcessMesh, nats_url: str
+) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
     own_mesh.add_worker()
@@ -130,31 +147,34 @@ async def test_new_worker_is_routable_within_a_second(own_mesh: Mesh, nats_url: 
             await asyncio.sleep(0.02)
 
 
-async def test_a_killed_worker_is_dropped_and_a_stopped_one_leaves_at_once(own_mesh: Mesh) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    keep = own_mesh.add_worker()
-    victim = own_mesh.add_worker()
-    leaver = own_mesh.add_worker()
+@pytest.mark.chaos
+async def test_a_killed_worker_is_dropped_and_a_stopped_one_leaves_at_once(
+    proc_mesh: Mesh,
+) -> None:
+    proc_mesh.add_router()
+    proc_mesh.add_frontend()
+    keep = proc_mesh.add_worker()
+    victim = proc_mesh.add_worker()
+    leaver = proc_mesh.add_worker()
 
     leaver.terminate()
     started = time.monotonic()
-    own_mesh.wait_for_workers(lambda ids: leaver.name not in ids, timeout=1.0, what="clean leave")
+    proc_mesh.wait_for_workers(lambda ids: leaver.name not in ids, timeout=1.0, what="clean leave")
     assert time.monotonic() - started < 1.0
 
     victim.kill()
     killed = time.monotonic()
-    own_mesh.wait_for_workers(lambda ids: victim.name not in ids, timeout=5.0, what="expiry")
+    proc_mesh.wait_for_workers(lambda ids: victim.name not in ids, timeout=5.0, what="expiry")
     # Every directory (the router's too) expires it within 5 s of the kill; from then on
     # nothing is routed to the dead worker.
     await asyncio.sleep(max(0.0, killed + 5.0 - time.monotonic()))
     for _ in range(12):
-        reply = await post(own_mesh.http_url + "/generate", BODY)
+        reply = await post(proc_mesh.http_url + "/generate", BODY)
         assert reply.status == 200, reply.body
-    assert own_mesh.worker_ids() == {keep.name}
+    assert proc_mesh.worker_ids() == {keep.name}
 
 
-async def test_overloaded_workers_answer_503(own_mesh: Mesh) -> None:
+async def test_overloaded_workers_answer_503(own_mesh: InProcessMesh) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
     own_mesh.add_worker(speedup=0.2, max_concurrency=1)
@@ -168,7 +188,7 @@ async def test_overloaded_workers_answer_503(own_mesh: Mesh) -> None:
     assert "capacity" in rejected.body["message"] or "limit" in rejected.body["message"]
 
 
-async def test_a_refused_request_backs_off_and_gets_the_freed_slot(own_mesh: Mesh) -> None:
+async def test_a_refused_request_backs_off_and_gets_the_freed_slot(own_mesh: InProcessMesh) -> None:
     """Refused as overloaded, a request is sent again after 0.1, 0.2, 0.4 s: the one slot,
     busy for ~0.15 s, is free by then (sent again at once, all attempts met a full mesh)."""
     own_mesh.add_router()
@@ -183,7 +203,7 @@ async def test_a_refused_request_backs_off_and_gets_the_freed_slot(own_mesh: Mes
     assert re.search(r"attempt 2 after: .*at capacity", frontend.log()), frontend.log()
 
 
-async def _wait_cancelled(mesh: Mesh, worker_id: str, before: int) -> dict[str, Any]:
+async def _wait_cancelled(mesh: AnyMesh, worker_id: str, before: int) -> dict[str, Any]:
     def cancelled() -> bool:
         c = card(mesh, worker_id)
         return bool(c["stats"]["cancelled"] > before and c["inflight"] == 0)
@@ -192,7 +212,7 @@ async def _wait_cancelled(mesh: Mesh, worker_id: str, before: int) -> dict[str, 
     return card(mesh, worker_id)
 
 
-async def test_sse_disconnect_cancels_at_the_worker(own_mesh: Mesh) -> None:
+async def test_sse_disconnect_cancels_at_the_worker(own_mesh: InProcessMesh) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
     worker = own_mesh.add_worker(speedup=0.05)
@@ -213,7 +233,7 @@ async def test_sse_disconnect_cancels_at_the_worker(own_mesh: Mesh) -> None:
     assert after["stats"]["completed"] == 0
 
 
-async def test_unary_disconnect_cancels_at_the_worker(own_mesh: Mesh) -> None:
+async def test_unary_disconnect_cancels_at_the_worker(own_mesh: InProcessMesh) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
     worker = own_mesh.add_worker(speedup=0.05)
@@ -267,7 +287,7 @@ async def _raw_exchange(
         await nc.close()
 
 
-async def test_nats_cancel_stops_the_engine(own_mesh: Mesh, nats_url: str) -> None:
+async def test_nats_cancel_stops_the_engine(own_mesh: InProcessMesh, nats_url: str) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
     own_mesh.add_worker(speedup=0.05)
@@ -283,7 +303,7 @@ async def test_nats_cancel_stops_the_engine(own_mesh: Mesh, nats_url: str) -> No
 
 
 async def test_a_cancel_that_overtakes_its_request_still_wins(
-    own_mesh: Mesh, nats_url: str
+    own_mesh: InProcessMesh, nats_url: str
 ) -> None:
     own_mesh.add_router()
     own_mesh.add_frontend()
@@ -294,7 +314,7 @@ async def test_a_cancel_that_overtakes_its_request_still_wins(
     assert frames[0]["code"] == "cancelled"
 
 
-async def test_frontend_sockets_have_tcp_nodelay(mesh: Mesh, nats_url: str) -> None:
+async def test_frontend_sockets_have_tcp_nodelay(mesh: AnyMesh, nats_url: str) -> None:
     """A stream must never wait on a delayed ACK: read the option off the server's sockets."""
     frontend = await start_frontend(frontend_options(nats_url, mesh.namespace))
     try:

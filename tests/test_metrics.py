@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,7 +23,10 @@ from genmesh.shared.metrics import metrics_response
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post, stream
-from tests.mesh import Mesh, free_port
+from tests.inproc import InProcessMesh
+from tests.mesh import free_port
+
+pytestmark = pytest.mark.unit
 
 # ---------------------------------------------------------------------------- unit
 
@@ -307,7 +309,7 @@ def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
 class Scraper:
     """The frontend's, the router's and each worker's metrics."""
 
-    def __init__(self, mesh: Mesh, router_port: int, worker_ports: dict[str, int]) -> None:
+    def __init__(self, mesh: InProcessMesh, router_port: int, worker_ports: dict[str, int]) -> None:
         self.mesh = mesh
         self.router = f"http://127.0.0.1:{router_port}/metrics"
         self.workers = {w: f"http://127.0.0.1:{p}/metrics" for w, p in worker_ports.items()}
@@ -333,8 +335,8 @@ class Scraper:
         raise TimeoutError(f"the mesh did not settle {what}")
 
 
-def start(nats_url: str, workdir: Path, workers: int) -> tuple[Mesh, Scraper, dict[str, int], int]:
-    mesh = Mesh(nats_url, workdir, unique_namespace("metrics"))
+def start(nats_url: str, workers: int) -> tuple[InProcessMesh, Scraper, dict[str, int], int]:
+    mesh = InProcessMesh(nats_url, unique_namespace("metrics"))
     try:
         router_port = free_port()
         mesh.add_router(extra_args=("--metrics-port", str(router_port)))
@@ -359,26 +361,24 @@ def start(nats_url: str, workdir: Path, workers: int) -> tuple[Mesh, Scraper, di
 
 
 @pytest.fixture(scope="module")
-def one_worker(
-    nats_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Mesh, Scraper]]:
+def one_worker(nats_url: str) -> Iterator[tuple[InProcessMesh, Scraper]]:
     """A router and one fault-taking worker, each with a metrics port, and a frontend."""
-    mesh, scraper, _, _ = start(nats_url, tmp_path_factory.mktemp("metrics"), 1)
+    mesh, scraper, _, _ = start(nats_url, 1)
     yield mesh, scraper
     mesh.stop()
 
 
 @pytest.fixture
-def mesh(one_worker: tuple[Mesh, Scraper]) -> Mesh:
+def mesh(one_worker: tuple[InProcessMesh, Scraper]) -> InProcessMesh:
     return one_worker[0]  # named `mesh` so that a failure shows its logs
 
 
 @pytest.fixture
-def scraper(one_worker: tuple[Mesh, Scraper]) -> Scraper:
+def scraper(one_worker: tuple[InProcessMesh, Scraper]) -> Scraper:
     return one_worker[1]
 
 
-async def inject(mesh: Mesh, worker_id: str, fault: dict[str, Any]) -> dict[str, Any]:
+async def inject(mesh: InProcessMesh, worker_id: str, fault: dict[str, Any]) -> dict[str, Any]:
     nc = await nats.connect(mesh.nats_url)
     try:
         subject = Subjects(mesh.namespace).testkit(worker_id)
@@ -399,8 +399,9 @@ BODY = {
 }
 
 
+@pytest.mark.inproc
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "sse"])
-async def test_a_request_end_to_end(mesh: Mesh, scraper: Scraper, streaming: bool) -> None:
+async def test_a_request_end_to_end(mesh: InProcessMesh, scraper: Scraper, streaming: bool) -> None:
     front0, router0, worker0 = await scraper.settled("before")
     if streaming:
         reply = await stream(mesh.http_url + "/generate", BODY)
@@ -452,7 +453,8 @@ def _router_id(samples: Samples) -> str:
     raise KeyError("genmesh_router_info")
 
 
-async def test_a_validation_error(mesh: Mesh, scraper: Scraper) -> None:
+@pytest.mark.inproc
+async def test_a_validation_error(mesh: InProcessMesh, scraper: Scraper) -> None:
     front0, router0, worker0 = await scraper.settled()
     reply = await post(mesh.http_url + "/generate", {"sampling_params": {}})
     assert reply.status == 400
@@ -474,7 +476,10 @@ def total(samples: Samples, name: str) -> float:
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
-async def test_an_engine_error_and_a_router_rejection(mesh: Mesh, scraper: Scraper) -> None:
+@pytest.mark.inproc
+async def test_an_engine_error_and_a_router_rejection(
+    mesh: InProcessMesh, scraper: Scraper
+) -> None:
     (worker_id,) = scraper.workers
     front0, router0, worker0 = await scraper.settled()
     await inject(mesh, worker_id, {"kind": "http_error", "status": 400, "message": "no"})
@@ -503,8 +508,9 @@ async def test_an_engine_error_and_a_router_rejection(mesh: Mesh, scraper: Scrap
     assert delta(worker0, worker, "genmesh_worker_aborts_total") == 0
 
 
+@pytest.mark.inproc
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "sse"])
-async def test_a_client_disconnect(mesh: Mesh, scraper: Scraper, streaming: bool) -> None:
+async def test_a_client_disconnect(mesh: InProcessMesh, scraper: Scraper, streaming: bool) -> None:
     (worker_id,) = scraper.workers
     front0, _, worker0 = await scraper.settled()
     # One token, then the engine hangs until it is aborted.
@@ -543,7 +549,10 @@ async def _read(
         return await resp.read()
 
 
-async def test_a_queued_request_is_seen_on_the_worker(mesh: Mesh, scraper: Scraper) -> None:
+@pytest.mark.inproc
+async def test_a_queued_request_is_seen_on_the_worker(
+    mesh: InProcessMesh, scraper: Scraper
+) -> None:
     """Before its first output a request counts as queued; after it, only as in flight."""
     (worker_id,) = scraper.workers
     await scraper.settled()
@@ -574,8 +583,9 @@ def _timeout(seconds: float) -> dict[str, str]:
     return {"X-Request-Timeout": str(seconds)}
 
 
-async def test_a_migration(nats_url: str, tmp_path: Path) -> None:
-    own, scraper, worker_ports, _ = await asyncio.to_thread(start, nats_url, tmp_path, 2)
+@pytest.mark.inproc
+async def test_a_migration(nats_url: str) -> None:
+    own, scraper, worker_ports, _ = await asyncio.to_thread(start, nats_url, 2)
     try:
         await _migration(own, scraper, sorted(worker_ports))
     except BaseException:
@@ -585,7 +595,7 @@ async def test_a_migration(nats_url: str, tmp_path: Path) -> None:
         await asyncio.to_thread(own.stop)
 
 
-async def _migration(mesh: Mesh, scraper: Scraper, worker_ids: list[str]) -> None:
+async def _migration(mesh: InProcessMesh, scraper: Scraper, worker_ids: list[str]) -> None:
     faulty, other = worker_ids
     front0, router0, _ = await scraper.all()
     faulty0, other0 = await asyncio.gather(scraper.worker(faulty), scraper.worker(other))

@@ -44,7 +44,10 @@ from genmesh.shared import frames
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
+from tests.inproc import AnyMesh, InProcessMesh, start_inproc_mesh
 from tests.mesh import Mesh, Service, start_mesh, wait_until
+
+pytestmark = pytest.mark.inproc
 
 VOCAB, EOS = 64, 7  # a small vocabulary, so stop tokens and EOS do end generations
 SPEEDUP = 2.0  # the mock engine: ~8 ms prefill, ~3 ms a token
@@ -81,7 +84,7 @@ OnEvent = Callable[[int, Any], Awaitable[None]]
 
 
 async def call(
-    mesh: Mesh, fmt: str, body: dict[str, Any], stream: bool, on_event: OnEvent | None = None
+    mesh: AnyMesh, fmt: str, body: dict[str, Any], stream: bool, on_event: OnEvent | None = None
 ) -> Result:
     """One request to the frontend; `on_event(n, payload)` runs after the nth SSE event."""
     timeout = aiohttp.ClientTimeout(total=60)
@@ -327,7 +330,7 @@ class FaultControl:
 class WorkerFaults(FaultControl):
     """Workers started with --testkit-faults: faults go over NATS to their FaultyEngine."""
 
-    def __init__(self, nc: Any, mesh: Mesh) -> None:
+    def __init__(self, nc: Any, mesh: AnyMesh) -> None:
         self.nc = nc
         self.mesh = mesh
         self.worker_ids = sorted(w.name for w in mesh.workers)
@@ -391,7 +394,7 @@ class ServerFaults(FaultControl):
 
 
 @contextlib.asynccontextmanager
-async def worker_faults(mesh: Mesh) -> AsyncIterator[WorkerFaults]:
+async def worker_faults(mesh: AnyMesh) -> AsyncIterator[WorkerFaults]:
     nc = await nats.connect(mesh.nats_url)
     try:
         yield WorkerFaults(nc, mesh)
@@ -417,15 +420,15 @@ def successor(control: FaultControl, worker_id: str) -> str:
     return ordered[(ordered.index(worker_id) + 1) % len(ordered)]
 
 
-def attempts_logged(frontend: Service) -> list[tuple[str, int, str, int]]:
+def attempts_logged(frontend: Any) -> list[tuple[str, int, str, int]]:
     return [(m[1], int(m[2]), m[3], int(m[4])) for m in ATTEMPT_LOG.finditer(frontend.log())]
 
 
-def frontend_of(mesh: Mesh) -> Service:
+def frontend_of(mesh: AnyMesh) -> Any:
     return next(s for s in mesh.services if s.role == "frontend")
 
 
-async def check_law(mesh: Mesh, control: FaultControl, case: Case, fault: FaultDraw) -> None:
+async def check_law(mesh: AnyMesh, control: FaultControl, case: Case, fault: FaultDraw) -> None:
     """The uninterrupted run, then the same request with `fault` where it will land."""
     served, reference = await landing(control, lambda: call(mesh, case.fmt, case.body, case.stream))
     expected = content(case.fmt, case.body, reference)
@@ -456,7 +459,7 @@ async def check_law(mesh: Mesh, control: FaultControl, case: Case, fault: FaultD
 
 
 def run_law(
-    mesh: Mesh,
+    mesh: AnyMesh,
     make_control: Callable[[], contextlib.AbstractAsyncContextManager[FaultControl]],
     examples: int,
     strategy: st.SearchStrategy[tuple[Case, FaultDraw]],
@@ -495,12 +498,23 @@ def run_law(
 
 
 @pytest.fixture(scope="module")
-def law_mesh(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """1 router (round robin), 3 mock workers with injectable faults, a frontend."""
+def law_mesh(nats_url: str) -> Iterator[InProcessMesh]:
+    """1 router (round robin), 3 mock workers with injectable faults, a frontend; in
+    process (faults are injected over NATS, nothing is killed)."""
+    mesh = start_inproc_mesh(
+        nats_url, namespace=unique_namespace("law"), workers=3, worker_opts=WORKER_OPTS
+    )
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def kill_mesh(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The law mesh as OS processes, for the law with SIGKILL."""
     mesh = start_mesh(
         nats_url,
         tmp_path_factory.mktemp("law"),
-        namespace=unique_namespace("law"),
+        namespace=unique_namespace("kill"),
         workers=3,
         worker_opts=WORKER_OPTS,
     )
@@ -508,7 +522,9 @@ def law_mesh(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     mesh.stop()
 
 
-def test_the_law_with_engine_faults(law_mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_law_with_engine_faults(
+    law_mesh: InProcessMesh, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_law(
         law_mesh,
         lambda: worker_faults(law_mesh),
@@ -539,7 +555,7 @@ REFUSING = {
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 async def test_a_refusing_request_fails_with_the_reason_after_tokens(
-    law_mesh: Mesh, fmt: str, stream: bool
+    law_mesh: InProcessMesh, fmt: str, stream: bool
 ) -> None:
     penalty = "presence_penalty" if fmt == "sglang" else "frequency_penalty"
     async with worker_faults(law_mesh) as control:
@@ -584,7 +600,7 @@ async def test_a_refusing_request_fails_with_the_reason_after_tokens(
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 async def test_a_refusing_request_still_restarts_before_any_token(
-    law_mesh: Mesh, fmt: str, stream: bool
+    law_mesh: InProcessMesh, fmt: str, stream: bool
 ) -> None:
     async with worker_faults(law_mesh) as control:
         served, reference = await landing(
@@ -615,10 +631,10 @@ EVERY_ATTEMPT = {"kind": "drop", "after_tokens": 5}
 
 
 @pytest.fixture(scope="module")
-def limited_frontend(law_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def limited_frontend(law_mesh: InProcessMesh) -> Iterator[InProcessMesh]:
     """A second frontend on the law mesh's namespace: --migration-limit 1, and an idle
     timeout of 1 s (a live worker that sends nothing for 1 s has a hung engine)."""
-    mesh = Mesh(law_mesh.nats_url, tmp_path_factory.mktemp("limited"), law_mesh.namespace)
+    mesh = InProcessMesh(law_mesh.nats_url, law_mesh.namespace)
     mesh.add_frontend("--migration-limit", "1", "--idle-timeout", "1")
     mesh.wait_for_workers(lambda ids: len(ids) == 3, what="the law mesh's workers")
     yield mesh
@@ -627,7 +643,7 @@ def limited_frontend(law_mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 async def test_the_migration_limit_ends_a_request_after_its_attempts(
-    law_mesh: Mesh, limited_frontend: Mesh, stream: bool
+    law_mesh: InProcessMesh, limited_frontend: InProcessMesh, stream: bool
 ) -> None:
     async with worker_faults(law_mesh) as control:
         for worker_id in control.worker_ids:
@@ -657,7 +673,7 @@ async def test_the_migration_limit_ends_a_request_after_its_attempts(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 async def test_the_default_limit_lets_two_failed_attempts_succeed(
-    law_mesh: Mesh, stream: bool
+    law_mesh: InProcessMesh, stream: bool
 ) -> None:
     reference = content("sglang", LIMITED, await call(law_mesh, "sglang", LIMITED, stream))
     async with worker_faults(law_mesh) as control:
@@ -679,7 +695,7 @@ async def test_the_default_limit_lets_two_failed_attempts_succeed(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 async def test_a_hung_engine_migrates_after_the_idle_timeout(
-    law_mesh: Mesh, limited_frontend: Mesh, stream: bool
+    law_mesh: InProcessMesh, limited_frontend: InProcessMesh, stream: bool
 ) -> None:
     """`hang`, the fault the law leaves out: the worker still answers pings, so only the
     idle timeout (1 s on this frontend) moves the request; the hung attempt is cancelled."""
@@ -727,7 +743,7 @@ async def test_a_hung_engine_migrates_after_the_idle_timeout(
 # ---------------------------------------------------------------- NATS level
 
 
-async def test_mig_frames_mark_each_new_attempt(law_mesh: Mesh) -> None:
+async def test_mig_frames_mark_each_new_attempt(law_mesh: InProcessMesh) -> None:
     prompt = [5, 4, 3, 2, 1]
     async with await MeshClient.connect(law_mesh.nats_url, law_mesh.namespace) as client:
         plain = [f async for f in client.generate(request(prompt, max_tokens=12, ignore_eos=True))]
@@ -764,7 +780,7 @@ async def test_mig_frames_mark_each_new_attempt(law_mesh: Mesh) -> None:
     assert len(tokens(plain)) == 12
 
 
-async def test_pinned_requests_never_migrate(law_mesh: Mesh) -> None:
+async def test_pinned_requests_never_migrate(law_mesh: InProcessMesh) -> None:
     async with (
         await MeshClient.connect(law_mesh.nats_url, law_mesh.namespace) as client,
         worker_faults(law_mesh) as control,
@@ -834,34 +850,37 @@ async def serving_worker(control: WorkerFaults, timeout: float = 5.0) -> str:
     raise TimeoutError("no worker is running the request")
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("logprobs", [False, True], ids=["plain", "logprobs"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
-async def test_the_law_with_sigkill(law_mesh: Mesh, fmt: str, stream: bool, logprobs: bool) -> None:
+async def test_the_law_with_sigkill(
+    kill_mesh: Mesh, fmt: str, stream: bool, logprobs: bool
+) -> None:
     body = kill_case(fmt, stream, logprobs)
-    frontend = frontend_of(law_mesh)
+    frontend = frontend_of(kill_mesh)
     logged = len(attempts_logged(frontend))
-    expected = content(fmt, body, await call(law_mesh, fmt, body, stream))
+    expected = content(fmt, body, await call(kill_mesh, fmt, body, stream))
     killed: list[str] = []
     replacement: list[Service] = []
 
-    async with worker_faults(law_mesh) as control:
+    async with worker_faults(kill_mesh) as control:
 
         async def kill() -> None:
             victim = await serving_worker(control)
-            service = next(s for s in law_mesh.services if s.name == victim)
+            service = next(s for s in kill_mesh.services if s.name == victim)
             service.kill()
             killed.append(victim)
-            replacement.append(law_mesh.add_worker(wait=False, **WORKER_OPTS))
+            replacement.append(kill_mesh.add_worker(wait=False, **WORKER_OPTS))
 
         async def after_chunks(n: int, event: Any) -> None:
             if n == 3 and not killed:
                 await kill()
 
         if stream:
-            result = await call(law_mesh, fmt, body, stream, on_event=after_chunks)
+            result = await call(kill_mesh, fmt, body, stream, on_event=after_chunks)
         else:
-            task = asyncio.create_task(call(law_mesh, fmt, body, stream))
+            task = asyncio.create_task(call(kill_mesh, fmt, body, stream))
             await serving_worker(control)
             await asyncio.sleep(0.03)  # a few tokens in
             await kill()
@@ -874,12 +893,12 @@ async def test_the_law_with_sigkill(law_mesh: Mesh, fmt: str, stream: bool, logp
     # each on its own clock), before the next case.
     new = replacement[0].name
     await asyncio.to_thread(
-        law_mesh.wait_for_workers,
+        kill_mesh.wait_for_workers,
         lambda ids: new in ids and killed[0] not in ids,
         15.0,
         f"{new} to join and {killed[0]} to leave",
     )
-    router = next(s for s in law_mesh.services if s.role == "router")
+    router = next(s for s in kill_mesh.services if s.role == "router")
     dropped = f"worker {killed[0]} missed its heartbeats"
     await asyncio.to_thread(
         wait_until, lambda: dropped in router.log(), 15.0, 0.05, "the router to drop it"
@@ -891,11 +910,12 @@ async def test_the_law_with_sigkill(law_mesh: Mesh, fmt: str, stream: bool, logp
 
 @pytest.fixture(scope="module", params=["sglang", "vllm"])
 def adapter_mesh(
-    request: pytest.FixtureRequest, nats_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Mesh, dict[str, str]]]:
-    """1 router, 2 workers each in front of its own mock engine server, a frontend."""
+    request: pytest.FixtureRequest, nats_url: str
+) -> Iterator[tuple[InProcessMesh, dict[str, str]]]:
+    """1 router, 2 workers each in front of its own mock engine server, a frontend; in
+    process (the engine servers too: faults are injected through their admin routes)."""
     engine: str = request.param
-    mesh = Mesh(nats_url, tmp_path_factory.mktemp(f"adapter-{engine}"), unique_namespace(engine))
+    mesh = InProcessMesh(nats_url, unique_namespace(engine))
     servers: dict[str, str] = {}
     try:
         mesh.add_router(wait=False)
@@ -926,10 +946,10 @@ async def server_faults(servers: dict[str, str]) -> AsyncIterator[ServerFaults]:
 
 
 def test_the_law_through_the_engine_adapters(
-    adapter_mesh: tuple[Mesh, dict[str, str]], capsys: pytest.CaptureFixture[str]
+    adapter_mesh: tuple[InProcessMesh, dict[str, str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     mesh, servers = adapter_mesh
-    engine = next(s.args for s in mesh.services if s.role == "engine")[4]
+    engine = next(s.name for s in mesh.services if s.role == "engine").split("-")[0]
     run_law(
         mesh,
         lambda: server_faults(servers),
@@ -945,7 +965,7 @@ def test_the_law_through_the_engine_adapters(
 
 
 async def fault_where_it_lands(
-    mesh: Mesh, control: FaultControl, fmt: str, body: dict[str, Any], fault: dict[str, Any]
+    mesh: AnyMesh, control: FaultControl, fmt: str, body: dict[str, Any], fault: dict[str, Any]
 ) -> tuple[Result, Result]:
     """The uninterrupted run, then the same request with `fault` where it will land."""
     served, reference = await landing(control, lambda: call(mesh, fmt, body, False))
@@ -958,7 +978,7 @@ async def fault_where_it_lands(
 
 @pytest.mark.parametrize("adapter_mesh", ["sglang"], indirect=True)
 async def test_routed_experts_survive_a_migration_through_the_sglang_adapter(
-    adapter_mesh: tuple[Mesh, dict[str, str]],
+    adapter_mesh: tuple[InProcessMesh, dict[str, str]],
 ) -> None:
     mesh, servers = adapter_mesh
     body = {
@@ -977,7 +997,7 @@ async def test_routed_experts_survive_a_migration_through_the_sglang_adapter(
     assert differences(got, expected) == []
 
 
-async def test_sglang_repetition_penalty_refuses_migration(law_mesh: Mesh) -> None:
+async def test_sglang_repetition_penalty_refuses_migration(law_mesh: InProcessMesh) -> None:
     body = {
         "input_ids": [4, 5, 6],
         "rid": "repetition",

@@ -18,7 +18,9 @@ from genmesh.codecs import get_codec
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.subjects import Subjects
 from tests.http_util import post
-from tests.mesh import Mesh
+from tests.inproc import AnyMesh
+
+pytestmark = pytest.mark.inproc
 
 
 @pytest.fixture
@@ -37,13 +39,13 @@ async def ask(
     return get_codec(codec).decode(msg.data), dict(msg.headers or {})
 
 
-def targets(mesh: Mesh) -> list[str]:
+def targets(mesh: AnyMesh) -> list[str]:
     subjects = Subjects(mesh.namespace)
     return [subjects.router_generate, subjects.worker_generate(mesh.workers[0].name)]
 
 
 @pytest.mark.parametrize("garbage", [b"", b"\xc1\xff\x00garbage", b"\x93\x01\x02", b"\xa5hello"])
-async def test_garbage_gets_an_err_frame(mesh: Mesh, nc: Client, garbage: bytes) -> None:
+async def test_garbage_gets_an_err_frame(mesh: AnyMesh, nc: Client, garbage: bytes) -> None:
     for subject in targets(mesh):
         frame, _ = await ask(nc, subject, garbage)
         assert frame["t"] == "err"
@@ -52,7 +54,7 @@ async def test_garbage_gets_an_err_frame(mesh: Mesh, nc: Client, garbage: bytes)
         assert frame["message"]
 
 
-async def test_unknown_codec_is_answered_in_json(mesh: Mesh, nc: Client) -> None:
+async def test_unknown_codec_is_answered_in_json(mesh: AnyMesh, nc: Client) -> None:
     for subject in targets(mesh):
         frame, headers = await ask(nc, subject, b"whatever", {"genmesh-codec": "klingon"})
         assert headers["genmesh-codec"] == "json"
@@ -74,7 +76,7 @@ async def test_unknown_codec_is_answered_in_json(mesh: Mesh, nc: Client) -> None
     ],
 )
 async def test_malformed_envelopes_name_the_field(
-    mesh: Mesh, nc: Client, envelope: Any, fragment: str
+    mesh: AnyMesh, nc: Client, envelope: Any, fragment: str
 ) -> None:
     for codec_name in ("msgpack", "json"):
         codec = get_codec(codec_name)
@@ -91,7 +93,7 @@ async def test_malformed_envelopes_name_the_field(
 
 
 async def test_a_request_without_reply_subject_is_dropped_harmlessly(
-    mesh: Mesh, nc: Client
+    mesh: AnyMesh, nc: Client
 ) -> None:
     envelope = get_codec(None).encode(request([1, 2]).to_wire())
     for subject in targets(mesh):
@@ -101,7 +103,7 @@ async def test_a_request_without_reply_subject_is_dropped_harmlessly(
     assert all(s.alive for s in mesh.services)
 
 
-async def test_services_still_serve_after_abuse(mesh: Mesh, nc: Client) -> None:
+async def test_services_still_serve_after_abuse(mesh: AnyMesh, nc: Client) -> None:
     for _ in range(50):
         for subject in targets(mesh):
             await nc.publish(subject, b"\xff" * 10, reply=nc.new_inbox())
@@ -116,7 +118,7 @@ async def test_services_still_serve_after_abuse(mesh: Mesh, nc: Client) -> None:
     assert all(s.alive for s in mesh.services)
 
 
-async def test_json_codec_end_to_end(mesh: Mesh, nats_url: str) -> None:
+async def test_json_codec_end_to_end(mesh: AnyMesh, nats_url: str) -> None:
     async with await MeshClient.connect(nats_url, mesh.namespace, codec="json") as client:
         frames = [f async for f in client.generate(request([1, 2, 3], max_tokens=3, logprobs=True))]
     assert [f["t"] for f in frames] == ["ack", "out", "out", "end"]
@@ -126,7 +128,7 @@ async def test_json_codec_end_to_end(mesh: Mesh, nats_url: str) -> None:
     assert all(len(f["logprobs"]) == len(f["tokens"]) == 1 for f in frames[1:])
 
 
-async def test_raw_json_request_like_natscli(mesh: Mesh, nc: Client) -> None:
+async def test_raw_json_request_like_natscli(mesh: AnyMesh, nc: Client) -> None:
     """What `nats req <router subject> '<json>' -H genmesh-codec:json` sends and gets."""
     inbox = nc.new_inbox()
     queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -153,7 +155,7 @@ async def test_raw_json_request_like_natscli(mesh: Mesh, nc: Client) -> None:
     assert all(f["id"] == "natscli-1" for f in frames)
 
 
-async def test_router_errors_name_the_cause(mesh: Mesh, nats_url: str) -> None:
+async def test_router_errors_name_the_cause(mesh: AnyMesh, nats_url: str) -> None:
     async with await MeshClient.connect(nats_url, mesh.namespace) as client:
         unknown_model = request([1], model="no-such-model")
         frames = [f async for f in client.generate(unknown_model)]
@@ -166,7 +168,7 @@ async def test_router_errors_name_the_cause(mesh: Mesh, nats_url: str) -> None:
         assert frames[-1]["message"] == "worker 'w-none' is not known"
 
 
-async def test_exclude_steers_but_never_refuses(mesh: Mesh, nats_url: str) -> None:
+async def test_exclude_steers_but_never_refuses(mesh: AnyMesh, nats_url: str) -> None:
     """`routing.exclude` keeps a request off the listed workers while another is free, and
     falls back to them when every free worker is listed (protocol.md §10)."""
     first, second = (w.name for w in mesh.workers[:2])

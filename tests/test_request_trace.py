@@ -38,6 +38,8 @@ from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh
 
+pytestmark = pytest.mark.unit
+
 # --------------------------------------------------------------------------- hashing
 
 
@@ -466,6 +468,7 @@ async def test_a_bad_path_fails_at_start(tmp_path: Path) -> None:
         await FileSink(tmp_path / "missing" / "t.jsonl").start()
 
 
+@pytest.mark.inproc
 async def test_nats_sink_publishes_every_record(nats_url: str) -> None:
     nc = await nats.connect(nats_url)
     got: list[Any] = []
@@ -689,6 +692,7 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, n: int) -> s
 KINDS = ["unary"] * 6 + ["stream"] * 4 + ["cancel"] * 3 + ["batch", "invalid", "vllm"]
 
 
+@pytest.mark.process
 async def test_a_real_mesh_records_every_request_exactly_once(
     trace_mesh: Mesh, nats_url: str, tmp_path: Path
 ) -> None:
@@ -798,6 +802,7 @@ async def test_a_real_mesh_records_every_request_exactly_once(
     assert "replay [" in result.stderr  # the progress bar
 
 
+@pytest.mark.process
 async def test_a_bad_trace_path_stops_the_frontend(trace_mesh: Mesh, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="frontend died"):
         trace_mesh.add_frontend(env={"GENMESH_REQUEST_TRACE": str(tmp_path / "no" / "t.jsonl")})

@@ -38,6 +38,8 @@ from tests.conftest import unique_namespace
 from tests.http_util import parse_sse
 from tests.mesh import Mesh, Service, free_port, frontend_options, start_mesh, wait_until
 
+pytestmark = pytest.mark.process
+
 VOCAB, EOS = 1000, 7
 WORKER_OPTS: dict[str, Any] = {"vocab_size": VOCAB, "eos_token_id": EOS}
 SGLANG_PATH, VLLM_PATH = "/generate", "/inference/v1/generate"
@@ -356,6 +358,7 @@ async def _start_in_flight(
     return tasks, admitted()
 
 
+@pytest.mark.chaos
 async def test_drain_lets_in_flight_requests_finish(own_mesh: Mesh) -> None:
     """SIGTERM with a drain timeout long enough: the worker leaves discovery at once, new
     requests go to the other worker, and its own requests finish in place (no migration)."""
@@ -406,6 +409,7 @@ async def test_drain_lets_in_flight_requests_finish(own_mesh: Mesh) -> None:
     )
 
 
+@pytest.mark.chaos
 async def test_drain_timeout_hands_the_rest_over(own_mesh: Mesh) -> None:
     """SIGTERM with a short drain timeout: what is still running is handed back and
     continues on the other worker; the answers equal uninterrupted runs', event for event."""
@@ -462,6 +466,7 @@ def normalized(events: list[Any]) -> list[Any]:
     return [clean(e) for e in events]
 
 
+@pytest.mark.chaos
 async def test_rolling_restart_under_load_loses_nothing(own_mesh: Mesh) -> None:
     """Every worker SIGTERMed in turn (each replaced, and the replacement discovered, before
     the next) under 24 concurrent clients (SSE and unary, SGLang and vLLM): no request
@@ -590,6 +595,7 @@ class Outage:
         }
 
 
+@pytest.mark.chaos
 async def test_nats_restart_under_load(tmp_path: Path) -> None:
     """Kill the NATS server under load and restart it on the same port, twice: a short blip,
     then an outage past discovery's expiry (3 heartbeats). /health follows, nothing hangs
@@ -679,6 +685,7 @@ async def test_nats_restart_under_load(tmp_path: Path) -> None:
     assert frontend.log().count("reconnected") == 2
 
 
+@pytest.mark.inproc
 @pytest.mark.parametrize("still_running", [False, True])
 async def test_a_stream_whose_last_frames_were_lost_migrates(
     nats_url: str, still_running: bool
@@ -1092,6 +1099,7 @@ async def test_deadlines_at_nats_level(mesh: Mesh, nats_url: str) -> None:
     await _engine_work_ended(mesh, before, 2)
 
 
+@pytest.mark.chaos
 def test_services_stop_cleanly_while_nats_is_down(tmp_path: Path) -> None:
     """Asked to stop in an outage (or after a Ctrl-C took NATS down first), a service has
     no server to drain to: it closes, exits 0 at once and logs no traceback."""

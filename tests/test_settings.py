@@ -40,6 +40,8 @@ from genmesh.shared.settings import (
 from genmesh.testkit.config import MockServerConfig, TestkitConfig
 from genmesh.up.config import UpConfig
 
+pytestmark = pytest.mark.unit
+
 MESH = MeshConnection(nats_url="nats://10.0.0.1:4222,nats://10.0.0.2:4222", namespace="n1")
 
 # One config per command, every group and most options away from their defaults.

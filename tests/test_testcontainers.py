@@ -15,7 +15,7 @@ from tests.conftest import unique_namespace
 from tests.http_util import post
 from tests.mesh import Mesh, start_mesh
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.process, pytest.mark.docker]
 
 
 def docker_reachable() -> bool:

@@ -62,6 +62,8 @@ from genmesh.testkit.sglang import build_app
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, frontend_options, wait_until
 
+pytestmark = pytest.mark.unit
+
 TRACEPARENT = "00-{}-{}-01"
 
 
@@ -303,6 +305,7 @@ async def in_process_mesh(
             await nc.drain()
 
 
+@pytest.mark.inproc
 async def test_in_process_chain_and_nothing_leaks(
     in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter
 ) -> None:
@@ -346,6 +349,7 @@ async def test_in_process_chain_and_nothing_leaks(
     }
 
 
+@pytest.mark.inproc
 async def test_a_batch_has_an_attempt_span_per_generation(
     in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter
 ) -> None:
@@ -369,6 +373,7 @@ async def test_a_batch_has_an_attempt_span_per_generation(
     assert [e.name for e in server.events].count("finish") == 2
 
 
+@pytest.mark.inproc
 async def test_in_process_rejections_are_error_spans(
     in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter
 ) -> None:
@@ -399,6 +404,7 @@ async def test_in_process_rejections_are_error_spans(
         assert dict(refused[0].attributes or {})["genmesh.error_type"] == "cancelled"
 
 
+@pytest.mark.inproc
 async def test_mesh_client_attempt_is_a_child_of_the_callers_span(
     in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter
 ) -> None:
@@ -609,6 +615,7 @@ def children(spans: list[Received], parent: Received) -> list[Received]:
     return [s for s in spans if s.parent == parent.span_id]
 
 
+@pytest.mark.process
 async def test_one_trace_across_processes(traced: tuple[Mesh, str], receiver: OtlpReceiver) -> None:
     mesh, engine_url = traced
     spans: list[Received] = []
@@ -686,6 +693,7 @@ async def test_one_trace_across_processes(traced: tuple[Mesh, str], receiver: Ot
     assert any(tp.split("-")[1:3] == [engine.trace_id, engine.span_id] for tp in received), received
 
 
+@pytest.mark.process
 async def test_a_migrated_request_shows_each_attempt_in_one_trace(
     traced: tuple[Mesh, str], receiver: OtlpReceiver, nats_url: str
 ) -> None:
@@ -763,6 +771,7 @@ def frontend_output(nats_url: str, workdir: Path, env: dict[str, str]) -> str:
         mesh.stop()
 
 
+@pytest.mark.process
 def test_console_exporter_prints_spans(nats_url: str, tmp_path: Path) -> None:
     log = frontend_output(nats_url, tmp_path, {"OTEL_TRACES_EXPORTER": "console"})
     assert '"name": "POST /generate"' in log
@@ -771,6 +780,7 @@ def test_console_exporter_prints_spans(nats_url: str, tmp_path: Path) -> None:
     assert '"http.response.status_code": 503' in log
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("exporter", ["none", None])
 def test_none_or_nothing_set_prints_no_span(
     nats_url: str, tmp_path: Path, exporter: str | None
@@ -781,6 +791,7 @@ def test_none_or_nothing_set_prints_no_span(
     assert "tracing on" not in log
 
 
+@pytest.mark.process
 def test_an_unknown_exporter_stops_start_up(nats_url: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GENMESH_", "OTEL_"))}
     env["OTEL_TRACES_EXPORTER"] = "zipkin"

@@ -21,6 +21,8 @@ from genmesh.formats.merge import fold
 from genmesh.formats.sglang import SglangFormat
 from genmesh_b64zstd import B64ZstdClientCodec, decode_int32, encode_int32
 
+pytestmark = pytest.mark.unit
+
 codec = B64ZstdClientCodec()
 int32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 token = st.integers(min_value=0, max_value=2**31 - 1)

@@ -1,8 +1,8 @@
-"""b64zstd end to end: real processes, a real nats-server, HTTP and raw NATS.
+"""b64zstd end to end: a real nats-server, HTTP and raw NATS, the services in process.
 
 One mesh: a router, two instant mock workers, and two frontends on the same workers:
 - `plain`: the SGLang format, msgpack on the bus (the defaults);
-- `packed`: `GENMESH_GENERATE_FORMAT=sglang+b64zstd` and `--codec b64zstd`, so its clients
+- `packed`: `--generate-format sglang+b64zstd` and `--codec b64zstd`, so its clients
   send and receive Base64+zstd integer arrays and its NATS traffic is Base64 text.
 The mock is deterministic, so the same request must give the same answer through both.
 """
@@ -14,7 +14,6 @@ import base64
 import re
 import struct
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -31,31 +30,29 @@ from genmesh.shared.subjects import Subjects
 from genmesh_b64zstd import decode_int32, encode_int32
 from tests.conftest import unique_namespace
 from tests.http_util import post, stream
-from tests.mesh import Mesh
+from tests.inproc import InProcessMesh
+
+pytestmark = pytest.mark.inproc
 
 BASE64_TEXT = re.compile(rb"[A-Za-z0-9+/]+={0,2}")
 
 
 class Frontends:
-    def __init__(self, mesh: Mesh, plain: int, packed: int) -> None:
+    def __init__(self, mesh: InProcessMesh, plain: int, packed: int) -> None:
         self.mesh = mesh
         self.plain = f"http://127.0.0.1:{plain}/generate"
         self.packed = f"http://127.0.0.1:{packed}/generate"
 
 
 @pytest.fixture(scope="module")
-def fronts(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontends]:
-    workdir: Path = tmp_path_factory.mktemp("b64zstd")
-    mesh = Mesh(nats_url, workdir, unique_namespace("z"))
+def fronts(nats_url: str) -> Iterator[Frontends]:
+    mesh = InProcessMesh(nats_url, unique_namespace("z"))
     try:
         mesh.add_router()
         ids = [mesh.add_worker(vocab_size=1000, eos_token_id=7, wait=False).name for _ in "ab"]
         ports = []
-        for args, env in (
-            ((), {}),
-            (("--codec", "b64zstd"), {"GENMESH_GENERATE_FORMAT": "sglang+b64zstd"}),
-        ):
-            mesh.add_frontend(*args, env=env)
+        for args in ((), ("--codec", "b64zstd", "--generate-format", "sglang+b64zstd")):
+            mesh.add_frontend(*args)
             ports.append(mesh.http_port)
             mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
         yield Frontends(mesh, *ports)
@@ -67,7 +64,7 @@ def fronts(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture
-def mesh(fronts: Frontends) -> Mesh:
+def mesh(fronts: Frontends) -> InProcessMesh:
     """For conftest's failure hook, which attaches the `mesh` fixture's logs."""
     return fronts.mesh
 

@@ -21,6 +21,8 @@ from genmesh.codecs.builtin import MsgpackCodec
 from genmesh_b64zstd import B64ZstdCodec
 from tests.equality import same
 
+pytestmark = pytest.mark.unit
+
 BASE64_TEXT = re.compile(rb"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 

@@ -10,6 +10,8 @@ import pytest
 from tests.conformance.harness import ENGINES, harness
 from tests.conformance.scenarios import SCENARIOS, Scenario
 
+pytestmark = pytest.mark.inproc
+
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(

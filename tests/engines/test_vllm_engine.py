@@ -34,6 +34,8 @@ from genmesh.testkit.common import serving
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm import build_app, state_of
 
+pytestmark = pytest.mark.inproc
+
 VOCAB, EOS = 1000, 7
 PROMPT = [11, 22, 33, 44, 55, 66]
 _ids = itertools.count()

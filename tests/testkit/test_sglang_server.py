@@ -37,6 +37,8 @@ from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang import build_app
 from tests.mesh import free_port
 
+pytestmark = pytest.mark.inproc
+
 VOCAB = 1000
 EOS = 7
 CONFIG = MockServerConfig(vocab_size=VOCAB, eos_token_id=EOS, max_model_len=4096)
@@ -1547,6 +1549,7 @@ async def test_abort_fault_with_a_server_status_is_an_http_exception(status: int
 # ---------------------------------------------------------------- the CLI
 
 
+@pytest.mark.process
 async def test_the_cli_serves_the_mock() -> None:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(

@@ -28,6 +28,8 @@ from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm import build_app, state_of
 from tests.mesh import free_port, wait_until
 
+pytestmark = pytest.mark.inproc
+
 VOCAB, EOS, CONTEXT = 1000, 7, 256
 CONFIG = MockServerConfig(vocab_size=VOCAB, eos_token_id=EOS, max_model_len=CONTEXT)
 PATH = "/inference/v1/generate"
@@ -966,6 +968,7 @@ def test_bad_build_arguments() -> None:
 # ------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.process
 def test_cli_serves_and_stops_on_sigterm() -> None:
     port = free_port()
     proc = subprocess.Popen(

@@ -26,6 +26,8 @@ from genmesh.codecs import (
 from genmesh.codecs.builtin import JsonCodec, MsgpackCodec
 from tests.equality import same
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------- strategies
 
 json_scalars = (

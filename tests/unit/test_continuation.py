@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,8 @@ from genmesh.client.migration import attempt_id, continuation
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.merge import Merger, Rebaser, Rule
 from genmesh.shared.envelope import Envelope
+
+pytestmark = pytest.mark.unit
 
 
 def base(**kwargs: object) -> Envelope:

@@ -22,6 +22,8 @@ from genmesh.shared.envelope import (
     peek_id,
 )
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------- strategies
 
 token_ids = st.integers(min_value=0, max_value=MAX_TOKEN_ID)

@@ -8,6 +8,7 @@ import random
 import time
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,8 @@ from genmesh.formats.merge import Merger, Rule, concat, fold
 from genmesh.formats.sglang.request import ItemOptions, SglangOptions
 from genmesh.formats.sglang.response import MERGE_RULES, SglangExchange
 from genmesh.shared import frames
+
+pytestmark = pytest.mark.unit
 
 
 def keys_deep(obj: Any) -> Any:

@@ -22,6 +22,8 @@ from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

@@ -23,6 +23,8 @@ from genmesh.engines.mock import (
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 
+pytestmark = pytest.mark.unit
+
 TINY = MockConfig(vocab_size=8, eos_token_id=7)
 
 

@@ -13,6 +13,8 @@ from genmesh.deploy import make_nkey
 from genmesh.shared.bus import redact, server_list
 from genmesh.shared.credentials import NatsAuth, NatsAuthError
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_cli_options_and_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GENMESH_NATS_USER", "worker")
@@ -46,6 +48,7 @@ def test_every_networked_command_takes_credentials(command: str) -> None:
     assert (config.auth.user, config.auth.password) == ("u", "p")
 
 
+@pytest.mark.process
 def test_help_never_shows_a_secret() -> None:
     env = {"GENMESH_NATS_PASSWORD": "hunter2-secret", "GENMESH_NATS_TOKEN": "tok-secret",
            "PATH": "/usr/bin:/bin"}  # fmt: skip

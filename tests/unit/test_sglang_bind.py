@@ -38,6 +38,8 @@ from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
 
+pytestmark = pytest.mark.unit
+
 RANDOM_ID = re.compile(r"^[0-9a-f]{32}$")
 
 

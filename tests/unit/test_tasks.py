@@ -10,6 +10,8 @@ import pytest
 
 from genmesh.shared.tasks import TaskOwner, keep_cancel, wait_event
 
+pytestmark = pytest.mark.unit
+
 
 async def test_wait_event_reports_set_and_timeout() -> None:
     event = asyncio.Event()

@@ -39,6 +39,8 @@ from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 
+pytestmark = pytest.mark.unit
+
 JSON = {"content-type": "application/json"}
 FORMAT = VllmFormat()
 

@@ -1,10 +1,12 @@
-"""Run the HTTP frontend: connect to NATS, discover, listen; stop cleanly on a signal."""
+"""Run the HTTP frontend: connect to NATS, discover, listen; for a block
+(`running_frontend`), or until a stop signal (`serve_frontend`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -109,11 +111,21 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         return RunningFrontend(state, runner, port, records, resources.pop_all())
 
 
+@contextlib.asynccontextmanager
+async def running_frontend(config: FrontendConfig) -> AsyncIterator[RunningFrontend]:
+    """A frontend, started for the block."""
+    running = await start_frontend(config)
+    try:
+        yield running
+    finally:
+        await running.close()
+
+
 async def serve_frontend(config: FrontendConfig) -> None:
-    async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(tracing.running("frontend"))
-        stop = await stack.enter_async_context(stop_signals())
-        running = await start_frontend(config)
-        stack.push_async_callback(running.close)
+    async with (
+        tracing.running("frontend"),
+        stop_signals() as stop,
+        running_frontend(config),
+    ):
         await stop.wait()
         log.info("frontend stopping")

@@ -1,9 +1,10 @@
-"""Run a router until a stop signal."""
+"""Run a router: for a block (`running_router`), or until a stop signal (`serve_router`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from genmesh.services.router.config import RouterConfig
 from genmesh.services.router.metrics import router_registry
@@ -17,27 +18,34 @@ from genmesh.shared.subjects import Subjects
 log = logging.getLogger(__name__)
 
 
-async def serve_router(config: RouterConfig) -> None:
-    router_id = config.router_id
+@contextlib.asynccontextmanager
+async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
+    """A router, connected and started for the block (with its metrics endpoint)."""
     # Closed in reverse: the router stops (leaves discovery, unsubscribes), then the
-    # metrics endpoint, then the connection drains while a second signal is still caught.
+    # metrics endpoint, then the connection drains.
     async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(tracing.running("router", router_id))
-        stop = await stack.enter_async_context(stop_signals())
         nc = await connect(
             config.mesh.nats_url,
-            name=f"genmesh-router-{router_id}",
+            name=f"genmesh-router-{config.router_id}",
             inbox_prefix="_INBOX_router",
             auth=config.auth,
         )
         stack.push_async_callback(drain_or_close, nc)
         router = Router(
-            nc, Subjects(config.mesh.namespace), policy=config.policy, router_id=router_id
+            nc, Subjects(config.mesh.namespace), policy=config.policy, router_id=config.router_id
         )
         await stack.enter_async_context(
             serving_metrics(config.metrics, lambda: router_registry(router))
         )
-        stack.push_async_callback(router.stop)
-        await router.start()
+        yield await stack.enter_async_context(router)
+
+
+async def serve_router(config: RouterConfig) -> None:
+    # The stop signals stay caught until the connection has drained.
+    async with (
+        tracing.running("router", config.router_id),
+        stop_signals() as stop,
+        running_router(config),
+    ):
         await stop.wait()
-        log.info("router %s stopping", router_id)
+        log.info("router %s stopping", config.router_id)

@@ -1,9 +1,11 @@
-"""Run a worker in front of its engine until a stop signal."""
+"""Run a worker in front of its engine: for a block (`running_worker`), or until a stop
+signal (`serve_worker`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from genmesh.engines.base import Engine
 from genmesh.engines.faults import FaultyEngine
@@ -20,15 +22,15 @@ from genmesh.shared.subjects import Subjects
 log = logging.getLogger(__name__)
 
 
-async def serve_worker(config: WorkerProcessConfig, engine: Engine) -> None:
+@contextlib.asynccontextmanager
+async def running_worker(config: WorkerProcessConfig, engine: Engine) -> AsyncIterator[Worker]:
+    """A worker in front of `engine`, connected and started for the block (with its
+    metrics endpoint, and fault control with `testkit_faults`)."""
     worker_id = config.service.worker_id
     namespace = config.mesh.namespace
     # Closed in reverse: the worker stops (drains, leaves discovery, closes its engine),
-    # then the metrics endpoint, then the connection drains while a second signal is
-    # still caught.
+    # then the metrics endpoint, then the connection drains.
     async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(tracing.running("worker", worker_id))
-        stop = await stack.enter_async_context(stop_signals())
         nc = await connect(
             config.mesh.nats_url,
             name=f"genmesh-worker-{worker_id}",
@@ -43,7 +45,16 @@ async def serve_worker(config: WorkerProcessConfig, engine: Engine) -> None:
         await stack.enter_async_context(
             serving_metrics(config.metrics, lambda: worker_registry(service))
         )
-        stack.push_async_callback(service.stop)
-        await service.start()
+        yield await stack.enter_async_context(service)
+
+
+async def serve_worker(config: WorkerProcessConfig, engine: Engine) -> None:
+    worker_id = config.service.worker_id
+    # The stop signals stay caught until the connection has drained.
+    async with (
+        tracing.running("worker", worker_id),
+        stop_signals() as stop,
+        running_worker(config, engine),
+    ):
         await stop.wait()
         log.info("worker %s stopping", worker_id)
