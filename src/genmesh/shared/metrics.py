@@ -187,13 +187,11 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Me
     app = web.Application()
     app.router.add_get(METRICS_PATH, metrics_handler(registry))
     runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
+    async with contextlib.AsyncExitStack() as stack:  # cleaned up if the port is taken
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, host, port).start()
+        stack.pop_all()
     bound = runner.addresses[0][1]
     log.info("metrics on http://%s:%d%s", host, bound, METRICS_PATH)
     return MetricsServer(runner, bound)

@@ -11,6 +11,7 @@ The schema is in `docs/observability.md` ("Request records").
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -89,15 +90,11 @@ class RequestRecords:
         return RequestRecording(self, info)
 
     async def start(self) -> None:
-        started: list[Sink] = []
-        try:
+        async with contextlib.AsyncExitStack() as started:  # closed if a later one fails
             for sink in self.sinks:
                 await sink.start()
-                started.append(sink)
-        except BaseException:
-            for sink in started:
-                await sink.close()
-            raise
+                started.push_async_callback(sink.close)
+            started.pop_all()
         log.info(
             "request records: %s%s",
             ", ".join(s.name for s in self.sinks) or "no sink",
