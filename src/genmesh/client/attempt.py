@@ -66,6 +66,10 @@ class Attempt:
         # Why the attempt failed, when it ends with an `err` (the mesh's own: a
         # retryable error, or the failure the client detected).
         self.failure = MigrationReason.RETRYABLE_ERROR
+        # The `seq` the next frame must have; when the last frame came, and the last frame
+        # or good ping (the idle timeout and the next ping count from these).
+        self._expected_seq = 0
+        self._silent_since = self._reassured_at = 0.0
 
     async def stream(self) -> AsyncGenerator[frames.Frame, None]:
         """Its frames, ending with one terminal frame (made up here if need be)."""
@@ -77,12 +81,18 @@ class Attempt:
         span = attempt_span(self.envelope, self.subject)
         finished = False
         try:
-            async for frame in self._frames(token, queue, span):
-                if span is not None:
-                    span.frame(frame)
-                # A terminal frame from the mesh needs no cancel; one made up here does.
-                finished = frame["t"] in frames.TERMINAL and "origin" not in frame
-                yield frame
+            frame: frames.Frame | None = await self._publish(token, span)
+            while frame is None or frame["t"] not in frames.TERMINAL:
+                if frame is not None:
+                    if span is not None:
+                        span.frame(frame)
+                    yield frame
+                frame = await self._receive(token, queue)
+            if span is not None:
+                span.frame(frame)
+            # A terminal frame from the mesh needs no cancel; one made up here does.
+            finished = "origin" not in frame
+            yield frame
         finally:
             client.close_stream(token, self.worker)
             if span is not None:
@@ -93,18 +103,17 @@ class Attempt:
                 except Exception as exc:
                     log.warning("could not publish cancel for %s: %s", rid, exc)
 
-    async def _frames(
-        self, token: str, queue: asyncio.Queue[Incoming], span: tracing.FrameSpan | None
-    ) -> AsyncGenerator[frames.Frame, None]:
+    async def _publish(self, token: str, span: tracing.FrameSpan | None) -> frames.Frame | None:
+        """Send the request; None once it is out, else the `err` frame that ends it."""
         client = self.client
-        rid = self.envelope.id
         try:
             data = client.codec.encode(self.envelope.to_wire())
         except CodecError as exc:  # e.g. an integer beyond 64 bits in a native field
-            yield frames.synthetic_err(
-                rid, ErrorCode.INVALID_ARGUMENT, f"the request cannot be encoded: {exc}"
+            return frames.synthetic_err(
+                self.envelope.id,
+                ErrorCode.INVALID_ARGUMENT,
+                f"the request cannot be encoded: {exc}",
             )
-            return
         headers = codec_headers(client.codec)
         if span is not None:  # the router's and worker's spans become its children
             headers = tracing.inject(headers, span.span)
@@ -113,34 +122,33 @@ class Attempt:
                 self.subject, data, reply=client.reply_subject(token), headers=headers
             )
         except NatsError as exc:  # closed, draining, or the reconnect buffer is full
-            yield self._failed(
+            return self._failed(
                 MigrationReason.PUBLISH_FAILED,
                 ErrorCode.UNAVAILABLE,
                 f"could not publish the request: {exc!r}",
             )
-            return
-        expected_seq = 0
+        self._silent_since = self._reassured_at = asyncio.get_running_loop().time()
+        return None
+
+    async def _receive(self, token: str, queue: asyncio.Queue[Incoming]) -> frames.Frame | None:
+        """The next frame (None: one of a type this client does not know), or the `err`
+        frame of a failure detected here."""
         loop = asyncio.get_running_loop()
-        silent_since = reassured_at = loop.time()
         while True:
-            item = await self._next(queue, expected_seq, silent_since, reassured_at)
-            if item is None:  # the silent worker answered a ping: keep waiting, and
-                reassured_at = loop.time()  # ask again only after another pause
-                continue
-            if isinstance(item, Failure):
-                yield self._failed(item.reason, item.code, item.message)
-                return
-            silent_since = reassured_at = loop.time()
-            frame = self._read(item, expected_seq)
-            expected_seq += 1
-            if frame is None:
-                continue  # a frame type from a newer protocol: numbered, not understood
-            if frame["t"] == frames.ACK:
-                self.worker = frame["worker"]
-                self.client.watch_worker(self.worker, token)
-            yield frame
-            if frame["t"] in frames.TERMINAL:
-                return
+            item = await self._next(queue)
+            if item is not None:
+                break
+            self._reassured_at = loop.time()  # the silent worker answered a ping: keep
+            # waiting, and ask again only after another pause
+        if isinstance(item, Failure):
+            return self._failed(item.reason, item.code, item.message)
+        self._silent_since = self._reassured_at = loop.time()
+        frame = self._read(item)
+        self._expected_seq += 1
+        if frame is not None and frame["t"] == frames.ACK:
+            self.worker = frame["worker"]
+            self.client.watch_worker(self.worker, token)
+        return frame
 
     def _failed(
         self, reason: MigrationReason | None, code: ErrorCode, message: str
@@ -149,27 +157,21 @@ class Attempt:
             self.failure = reason
         return frames.synthetic_err(self.envelope.id, code, message)
 
-    async def _next(
-        self,
-        queue: asyncio.Queue[Incoming],
-        expected_seq: int,
-        silent_since: float,
-        reassured_at: float,
-    ) -> Incoming | None:
+    async def _next(self, queue: asyncio.Queue[Incoming]) -> Incoming | None:
         """The next reply; a failure detected here; or None after a good ping.
 
-        `silent_since`: the last frame (the idle timeout counts from it); `reassured_at`:
-        the last frame or good ping (the next ping is due `ping_after_s` after it)."""
+        The idle timeout counts from the last frame (`_silent_since`); the next ping is due
+        `ping_after_s` after the last frame or good ping (`_reassured_at`)."""
         if not queue.empty():
             return queue.get_nowait()
         client = self.client
         deadline = self.deadline
         loop = asyncio.get_running_loop()
-        acked = expected_seq > 0
+        acked = self._expected_seq > 0
         window = client.idle_timeout_s if acked else client.ack_timeout_s
-        limit = silent_since + window
+        limit = self._silent_since + window
         # Acknowledged: wake early to ask a silent worker whether it is still there.
-        wake = min(limit, reassured_at + client.ping_after_s) if acked else limit
+        wake = min(limit, self._reassured_at + client.ping_after_s) if acked else limit
         if deadline is not None:
             wake = min(wake, deadline)
         try:
@@ -222,7 +224,7 @@ class Attempt:
             )
         return None
 
-    def _read(self, msg: Msg, expected_seq: int) -> frames.Frame | None:
+    def _read(self, msg: Msg) -> frames.Frame | None:
         """Decode and check one reply (None: a frame type this client does not know);
         problems become a terminal `err` frame."""
         rid = self.envelope.id
@@ -242,10 +244,11 @@ class Attempt:
         except (UnknownCodecError, CodecError, frames.FrameError) as exc:
             return frames.synthetic_err(rid, ErrorCode.INTERNAL, f"unreadable reply frame: {exc}")
         # Rejections sent before a worker admitted the request carry seq 0 as well.
-        if seq != expected_seq and (frame is None or frame["t"] != frames.ERR):
+        expected = self._expected_seq
+        if seq != expected and (frame is None or frame["t"] != frames.ERR):
             return self._failed(
                 MigrationReason.FRAMES_LOST,
                 ErrorCode.UNAVAILABLE,
-                f"reply frames lost: expected seq {expected_seq}, got {seq}",
+                f"reply frames lost: expected seq {expected}, got {seq}",
             )
         return frame
