@@ -6,8 +6,9 @@
     python3 dev.py lint                      ruff check, ruff format --check, mypy, lint-imports
     python3 dev.py genmesh ARGS...           any genmesh command, in the project's venv
 
-The first run creates ./.venv and installs the project with its test tools; later runs
-reinstall only when pyproject.toml (or a codec package's) changed.
+The first run creates ./.venv (or the directory GENMESH_VENV names) and installs the
+project with its test tools; later runs reinstall only when pyproject.toml (or a codec
+package's) changed. The fast test tier: python3 dev.py test -m "unit or inproc".
 """
 
 from __future__ import annotations
