@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import json
 import logging
 import threading
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,7 +30,6 @@ from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.frontend.serve import running_frontend
 from genmesh.services.router.config import RouterConfig
 from genmesh.services.router.serve import running_router
-from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.services.worker.serve import running_worker
 from genmesh.shared.bus import flush_in_order
 from genmesh.shared.connection import MeshConnection
@@ -43,7 +40,7 @@ from genmesh.testkit.common import serving
 from genmesh.testkit.config import TestkitConfig
 from genmesh.testkit.sglang import build_app as sglang_app
 from genmesh.testkit.vllm import build_app as vllm_app
-from tests.mesh import Mesh, wait_until, worker_config
+from tests.mesh import FrontendView, Mesh, wait_until, worker_config
 
 T = TypeVar("T")
 
@@ -118,7 +115,7 @@ class InProcessService:
 
 
 @dataclass
-class InProcessMesh:
+class InProcessMesh(FrontendView):
     """The in-process counterpart of `tests.mesh.Mesh`, for tests that kill nothing."""
 
     nats_url: str
@@ -129,10 +126,6 @@ class InProcessMesh:
 
     def __post_init__(self) -> None:
         self._loop = _Loop(f"mesh {self.namespace}")
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def connection(self) -> MeshConnection:
@@ -195,8 +188,7 @@ class InProcessMesh:
     ) -> InProcessService:
         """A worker; `options` as `tests.mesh.worker_config` takes them."""
         wid = worker_id or new_worker_id()
-        config = worker_config(self.connection, wid, **options)
-        config = parse(WorkerProcessConfig, extra_args, environ={}, defaults=config)
+        config = worker_config(self.connection, wid, extra_args, **options)
 
         def running() -> contextlib.AbstractAsyncContextManager[Any]:
             engine = create_engine(config.engine, url=config.engine_url, mock=config.mock)
@@ -247,34 +239,11 @@ class InProcessMesh:
 
     # ------------------------------------------------------------------ what tests read
 
-    def _http_ok(self, path: str) -> bool:
-        return _http_ok(self.http_url + path)
-
-    def server_info(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.http_url + "/get_server_info", timeout=5) as resp:
-            info: dict[str, Any] = json.load(resp)
-            return info
-
-    def worker_ids(self) -> set[str]:
-        """Workers the frontend's discovery currently knows."""
-        return {w["id"] for w in self.server_info()["genmesh"]["workers"]}
-
-    def wait_for_workers(self, predicate: Any, timeout: float = 15.0, what: str = "") -> None:
-        wait_until(lambda: predicate(self.worker_ids()), timeout=timeout, what=what)
-
     def wait_for_routers(self) -> None:
         """Routers announce themselves while they start (`Router.start`): nothing to wait."""
 
     def logs(self) -> str:
         return "\n".join(f"===== {s.name} =====\n{s.log()[-6000:]}" for s in self.services)
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 def start_inproc_mesh(
@@ -294,7 +263,7 @@ def start_inproc_mesh(
         ids = [mesh.add_worker(wait=False, **(worker_opts or {})).name for _ in range(workers)]
         mesh.add_frontend(*frontend_args)
         mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
-        wait_until(lambda: _http_ok(mesh.http_url + "/health"), what="the frontend to be ready")
+        wait_until(lambda: mesh._http_ok("/health"), what="the frontend to be ready")
     except BaseException:
         print(mesh.logs())
         mesh.stop()

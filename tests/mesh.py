@@ -38,6 +38,7 @@ from genmesh.testkit.config import TestkitConfig
 Service = Child
 
 __all__ = [
+    "FrontendView",
     "Mesh",
     "Service",
     "free_port",
@@ -59,8 +60,37 @@ def wait_until(
     raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
 
 
+class FrontendView:
+    """What a test reads of a mesh through its frontend's HTTP port (either kind of mesh)."""
+
+    http_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def _http_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.http_url + path, timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def server_info(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.http_url + "/get_server_info", timeout=5) as resp:
+            info: dict[str, Any] = json.load(resp)
+            return info
+
+    def worker_ids(self) -> set[str]:
+        """Workers the frontend's discovery currently knows."""
+        return {w["id"] for w in self.server_info()["genmesh"]["workers"]}
+
+    def wait_for_workers(self, predicate: Any, timeout: float = 15.0, what: str = "") -> None:
+        wait_until(lambda: predicate(self.worker_ids()), timeout=timeout, what=what)
+
+
 @dataclass
-class Mesh:
+class Mesh(FrontendView):
     nats_url: str
     workdir: Path
     namespace: str = "test"
@@ -79,10 +109,6 @@ class Mesh:
     @property
     def services(self) -> list[Service]:
         return self.supervisor.children
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def connection(self) -> MeshConnection:
@@ -138,8 +164,7 @@ class Mesh:
     ) -> Service:
         """A worker process; `options` as `worker_config` takes them."""
         wid = worker_id or new_worker_id()
-        config = worker_config(self.connection, wid, **options)
-        config = parse(WorkerProcessConfig, extra_args, environ={}, defaults=config)
+        config = worker_config(self.connection, wid, extra_args, **options)
         child = self.supervisor.spawn_genmesh(wid, config, env=self._env("worker"))
         if wait and self.http_port:  # known to the frontend, which is what tests talk to
             self.wait_for_workers(lambda ids: wid in ids, what=f"worker {wid} to be known")
@@ -166,25 +191,6 @@ class Mesh:
             wait_http_ok(self.http_url + "/get_server_info", watch=[service], what="the frontend")
         )
         return service
-
-    def _http_ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.http_url + path, timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def server_info(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.http_url + "/get_server_info", timeout=5) as resp:
-            info: dict[str, Any] = json.load(resp)
-            return info
-
-    def worker_ids(self) -> set[str]:
-        """Workers the frontend's discovery currently knows."""
-        return {w["id"] for w in self.server_info()["genmesh"]["workers"]}
-
-    def wait_for_workers(self, predicate: Any, timeout: float = 15.0, what: str = "") -> None:
-        wait_until(lambda: predicate(self.worker_ids()), timeout=timeout, what=what)
 
     @property
     def workers(self) -> list[Service]:
@@ -238,6 +244,7 @@ def start_mesh(
 def worker_config(
     connection: MeshConnection,
     worker_id: str,
+    extra_args: tuple[str, ...] = (),
     *,
     speedup: float = 0.0,
     vocab_size: int | None = None,
@@ -249,7 +256,8 @@ def worker_config(
     testkit_faults: bool = False,
     drain_timeout: float | None = None,
 ) -> WorkerProcessConfig:
-    """A test worker's config: an instant mock engine unless `speedup` says otherwise."""
+    """A test worker's config: an instant mock engine unless `speedup` says otherwise;
+    `extra_args`, command-line options, over the rest."""
     service = WorkerConfig(worker_id)
     if max_concurrency is not None:
         service = replace(service, max_concurrency=max_concurrency)
@@ -262,7 +270,7 @@ def worker_config(
         mock = replace(mock, vocab_size=vocab_size)
     if eos_token_id is not None:
         mock = replace(mock, eos_token_id=eos_token_id)
-    return WorkerProcessConfig(
+    config = WorkerProcessConfig(
         mesh=connection,
         service=service,
         engine=engine,
@@ -270,6 +278,7 @@ def worker_config(
         mock=mock,
         testkit_faults=testkit_faults,
     )
+    return parse(WorkerProcessConfig, extra_args, environ={}, defaults=config)
 
 
 def frontend_options(nats_url: str, namespace: str, **overrides: Any) -> FrontendConfig:

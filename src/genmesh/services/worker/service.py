@@ -95,7 +95,8 @@ class Worker(Service):
         self._stopping = False
         # Announced only while the engine is healthy: a worker without an engine is no worker.
         self._engine_up = False
-        self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        # The card's `stats`; its `rejected` (refused as overloaded) is the endpoint's count.
+        self.stats = {"admitted": 0, "completed": 0, "cancelled": 0, "failed": 0}
         # For metrics (services/worker/metrics.py): engine aborts and errors; refusals are
         # the endpoint's `rejections`.
         self.aborts = 0
@@ -205,7 +206,7 @@ class Worker(Service):
             "started": self._started,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "stats": dict(self.stats),
+            "stats": self.stats | {"rejected": self.endpoint.rejections[ErrorCode.OVERLOADED]},
         }
         return card
 
@@ -300,7 +301,6 @@ class Worker(Service):
         if rid in self._active:
             raise MeshError(ErrorCode.INVALID_ARGUMENT, f"request id {rid} is already running")
         if len(self._active) >= self.config.max_concurrency:
-            self.stats["rejected"] += 1
             raise MeshError(
                 ErrorCode.OVERLOADED,
                 f"worker {self.worker_id} is at its limit of "
