@@ -32,6 +32,7 @@ from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.records import RequestRecords
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared.bus import flush_in_order
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Frame
 from genmesh.shared.subjects import Subjects
@@ -169,6 +170,9 @@ class ScriptedBackend:
 
     def workers(self) -> list[dict[str, Any]]:
         return [{"id": "w1"}]
+
+    def engines(self) -> EngineCatalog:
+        return NO_ENGINES
 
     async def close(self) -> None:
         pass

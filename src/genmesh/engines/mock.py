@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from genmesh import __version__
 from genmesh.engines.base import EngineOutput, usage
+from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
@@ -139,6 +141,10 @@ class MockConfig:
         help="mock context length (prompt + output)",
     )
     kv_capacity_tokens: int = 1_048_576
+    # Tokens per KV block, and the defaults for unset sampling parameters (as a model's
+    # generation config gives them), advertised in the card's engine_info.
+    block_size: int = 16
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # 1.0 = the polynomial timing model in real time; 0 = no delay at all (a worker's
     # mock runs in real time unless told otherwise: services/worker/config.py).
     speedup: float = option(
@@ -187,6 +193,14 @@ class MockEngine:
             "vocab_size": c.vocab_size,
             "eos_token_id": c.eos_token_id,
             "max_model_len": c.max_model_len,
+            "engine_info": EngineInfo(
+                model=c.model,
+                context_length=c.max_model_len,
+                max_total_num_tokens=c.kv_capacity_tokens,
+                block_size=c.block_size,
+                sampling_defaults=c.sampling_defaults,
+                engine_version=f"genmesh-mock-{__version__}",
+            ).to_wire(),
             "speedup": c.speedup,
             "moe": {"layers": c.moe_layers, "top_k": c.moe_top_k, "experts": c.moe_experts},
         }

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genmesh.formats.merge import Joiner, Rule
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import MeshError
 from genmesh.shared.frames import OutputFrame
@@ -107,8 +108,12 @@ class GenerateFormat(ABC):
         """The request body as a JSON value; raise RequestRejected if it is not JSON."""
 
     @abstractmethod
-    def bind(self, request: Any, headers: Mapping[str, str]) -> Bound:
-        """Validate a parsed request; raise RequestRejected with a native error body."""
+    def bind(
+        self, request: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES
+    ) -> Bound:
+        """Validate a parsed request; raise RequestRejected with a native error body.
+        `engines` are the facts the workers advertise (context length, sampling defaults),
+        for the defaults and checks the real server applies; it may know nothing."""
 
     @abstractmethod
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange: ...

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from genmesh.formats.base import Bound, Exchange, GenerateFormat, Record, RequestRejected, Route
 from genmesh.formats.merge import Joiner, Rule
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 from genmesh.shared.errors import MeshError
 from genmesh.shared.frames import OutputFrame
 
@@ -86,13 +87,15 @@ class CodecFormat(GenerateFormat):
     def parse(self, body: bytes) -> Any:
         return self.inner.parse(body)
 
-    def bind(self, request: Any, headers: Mapping[str, str]) -> Bound:
+    def bind(
+        self, request: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES
+    ) -> Bound:
         try:
             decoded = self.codec.decode_request(request)
         except ClientCodecError as exc:
             message = f"{self.codec.name}: {exc}"
             raise RequestRejected(400, self.inner.error_body(400, message), message) from None
-        return self.inner.bind(decoded, headers)
+        return self.inner.bind(decoded, headers, engines)
 
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange:
         return _CodecExchange(self.inner.exchange(bound, public_id, received_at), self.codec)

@@ -30,6 +30,7 @@ from genmesh.shared.bus import (
     publish,
     unsubscribe_quietly,
 )
+from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.ids import is_subject_token
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner
@@ -51,6 +52,8 @@ class WorkerInfo:
     # Requests this process sent since the worker's last load report: load it cannot see yet.
     sent_since_report: int = 0
     expires_after: float = field(default=EXPIRY_HEARTBEATS * DEFAULT_HEARTBEAT_S)
+    # The card's `engine_info`, parsed when it changes.
+    engine_info: EngineInfo | None = None
 
     @property
     def load(self) -> int:
@@ -174,6 +177,8 @@ class WorkerDirectory:
             self.workers[wid] = worker
             log.info("worker %s joined (%s, model %s)", wid, card.get("engine"), worker.model)
             self._emit("added", worker)
+        if worker.engine_info is None or card.get("engine_info") != worker.card.get("engine_info"):
+            worker.engine_info = EngineInfo.from_wire(card.get("engine_info"))
         worker.card = card
         worker.subject = subject
         worker.last_seen = now

@@ -50,7 +50,7 @@ class EchoFormat(GenerateFormat):
         except ValueError as exc:
             raise _error(400, f"not JSON: {exc}") from None
 
-    def bind(self, request: Any, headers: Mapping[str, str]) -> Bound:
+    def bind(self, request: Any, headers: Mapping[str, str], engines: Any) -> Bound:
         if not isinstance(request, dict) or not isinstance(request.get("tokens"), list):
             raise _error(400, "send {'tokens': [...], 'max': n}")
         envelope = Envelope(

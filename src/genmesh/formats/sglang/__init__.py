@@ -9,6 +9,7 @@ from genmesh.formats.base import Bound, Exchange, GenerateFormat, Route
 from genmesh.formats.merge import Joiner, Rule
 from genmesh.formats.sglang import request
 from genmesh.formats.sglang.response import JOINERS, MERGE_RULES, SglangExchange
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 
 
 class SglangFormat(GenerateFormat):
@@ -23,8 +24,10 @@ class SglangFormat(GenerateFormat):
     def parse(self, body: bytes) -> Any:
         return request.parse(body)
 
-    def bind(self, body: Any, headers: Mapping[str, str]) -> Bound:
-        return request.bind(body, headers)
+    def bind(
+        self, body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES
+    ) -> Bound:
+        return request.bind(body, headers, engines)
 
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange:
         assert isinstance(bound.options, request.SglangOptions)

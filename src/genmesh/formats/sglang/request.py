@@ -16,6 +16,7 @@ from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import oversized_int
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 from genmesh.shared.envelope import (
     MAX_TOKEN_ID,
     Envelope,
@@ -390,7 +391,7 @@ def _rids(
     return client_id, [None if client_id is None else f"{client_id}_{b}" for b in range(count)]
 
 
-def bind(body: Any, headers: Mapping[str, str]) -> Bound:
+def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES) -> Bound:
     if not isinstance(body, dict):
         raise _type_error(f"request body must be a JSON object, got {type(body).__name__}")
 

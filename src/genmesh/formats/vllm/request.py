@@ -41,6 +41,7 @@ from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import oversized_int
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 from genmesh.shared.envelope import (
     MAX_TOKEN_ID,
     Envelope,
@@ -485,7 +486,7 @@ def _cache_salt(body: Mapping[str, Any]) -> str | None:
     return salt
 
 
-def bind(body: Any, headers: Mapping[str, str]) -> Bound:
+def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES) -> Bound:
     _check_content_type(headers)
     if not isinstance(body, dict):
         raise _reject(f"request body must be a JSON object, got {_type_name(body)}")

@@ -103,7 +103,7 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     workers = state.backend.workers()
-    max_len = state.max_model_len()
+    max_len = state.engine_info().context_length
     return web.json_response(
         {
             "model_path": state.models()[0],
@@ -134,7 +134,6 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    max_len = state.max_model_len()
     return web.json_response(
         {
             "object": "list",
@@ -145,7 +144,7 @@ async def list_models(request: web.Request) -> web.Response:
                     "created": int(state.started),
                     "owned_by": "genmesh",
                     "root": model,
-                    "max_model_len": max_len,
+                    "max_model_len": state.engine_info(model).context_length,
                 }
                 for model in state.models()
             ],

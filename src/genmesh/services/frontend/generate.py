@@ -84,7 +84,9 @@ class GenerateHandler:
             )
         info.body = body
         try:
-            bound = self.format.bind(self.format.parse(body), request.headers)
+            bound = self.format.bind(
+                self.format.parse(body), request.headers, self.state.backend.engines()
+            )
         except RequestRejected as rejected:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)

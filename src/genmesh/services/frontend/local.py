@@ -13,6 +13,7 @@ from typing import Any
 from genmesh.engines.base import Engine
 from genmesh.engines.execute import execute
 from genmesh.shared import frames
+from genmesh.shared.engine_info import EngineCatalog, EngineInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.ids import new_request_id
 
@@ -37,6 +38,10 @@ class LocalBackend:
 
     def workers(self) -> list[dict[str, Any]]:
         return [{**self.engine.describe(), "id": self.worker_id, "engine": self.engine.name}]
+
+    def engines(self) -> EngineCatalog:
+        info = EngineInfo.from_wire(self.engine.describe().get("engine_info"))
+        return EngineCatalog([info] if info else [])
 
     async def close(self) -> None:
         await self.engine.close()

@@ -17,6 +17,7 @@ from genmesh.client import ClientFrame, MeshClient
 from genmesh.services.frontend.observers import Observer
 from genmesh.shared.bus import drain_or_close
 from genmesh.shared.discovery import WorkerDirectory
+from genmesh.shared.engine_info import EngineCatalog, EngineInfo
 from genmesh.shared.envelope import Envelope
 
 
@@ -34,6 +35,10 @@ class Backend(Protocol):
 
     def workers(self) -> list[dict[str, Any]]:
         """The cards of the workers that can serve requests."""
+        ...
+
+    def engines(self) -> EngineCatalog:
+        """What those workers' engines advertise (`engine_info`), by model."""
         ...
 
     async def close(self) -> None: ...
@@ -63,6 +68,9 @@ class MeshBackend:
     def workers(self) -> list[dict[str, Any]]:
         return [w.card for w in self.directory.live()]
 
+    def engines(self) -> EngineCatalog:
+        return EngineCatalog(w.engine_info for w in self.directory.live() if w.engine_info)
+
     async def close(self) -> None:
         await self.directory.close()
         await self.client.close()
@@ -86,8 +94,6 @@ class FrontendState:
         )
         return found or [self.default_model]
 
-    def max_model_len(self) -> int | None:
-        known = [
-            n for card in self.backend.workers() if isinstance(n := card.get("max_model_len"), int)
-        ]
-        return min(known) if known else None
+    def engine_info(self, model: str | None = None) -> EngineInfo:
+        """The advertised facts of `model` (default: the first), or just its name."""
+        return self.backend.engines().get(model) or EngineInfo(model or self.models()[0])

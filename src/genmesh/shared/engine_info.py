@@ -1,0 +1,134 @@
+"""What a worker's engine tells the mesh about itself, and what frontends read at bind time.
+
+A worker's card carries its engine's facts under `engine_info` (`docs/protocol.md`,
+"Discovery"), as Dynamo's `Worker.engine_info` does: the model, its context length, the
+KV cache's capacity and block size, and the sampling defaults the engine applies to a
+request that leaves a parameter unset (its generation config, SGLang's
+`preferred_sampling_params`). Formats read them through `EngineCatalog` when they bind a
+request: for defaults and for the checks a real server makes against its context length.
+
+`EngineInfo.from_wire` is tolerant: a card from another version, or a field of the wrong
+type, yields None for that field rather than losing the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Sampling-default names are Hugging Face generation-config names (`max_new_tokens`, not
+# vLLM's `max_tokens`); these are the ones engines take from a model's generation config.
+SAMPLING_DEFAULT_KEYS = frozenset(
+    ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: Any) -> float | int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model: str
+    # The longest prompt + output a request may have (vLLM `max_model_len`, SGLang
+    # `context_length`).
+    context_length: int | None = None
+    # How many tokens the KV cache holds in all (SGLang's `max_total_num_tokens`).
+    max_total_num_tokens: int | None = None
+    # Tokens per KV cache block (page).
+    block_size: int | None = None
+    # Defaults for unset sampling parameters, by generation-config name.
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
+    # The engine's own name and version, for `/get_server_info`.
+    engine_version: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model}
+        for key in ("context_length", "max_total_num_tokens", "block_size", "engine_version"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        if self.sampling_defaults:
+            out["sampling_defaults"] = dict(self.sampling_defaults)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> EngineInfo | None:
+        """The info of a card's `engine_info` map; None if it has no model."""
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("model"), str):
+            return None
+        defaults = obj.get("sampling_defaults")
+        sampling = {}
+        if isinstance(defaults, Mapping):
+            sampling = {
+                key: number
+                for key, value in defaults.items()
+                if key in SAMPLING_DEFAULT_KEYS and (number := _number(value)) is not None
+            }
+        version = obj.get("engine_version")
+        return cls(
+            model=obj["model"],
+            context_length=_positive(obj.get("context_length")),
+            max_total_num_tokens=_positive(obj.get("max_total_num_tokens")),
+            block_size=_positive(obj.get("block_size")),
+            sampling_defaults=sampling,
+            engine_version=version if isinstance(version, str) else None,
+        )
+
+
+def _positive(value: Any) -> int | None:
+    number = _int(value)
+    return number if number is not None and number > 0 else None
+
+
+def _least(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
+
+
+def combine(infos: list[EngineInfo]) -> EngineInfo:
+    """One model's info over the workers that serve it: the tightest limits, since the
+    router may pick any of them; the first worker's defaults (one model, one config)."""
+    first = infos[0]
+    return EngineInfo(
+        model=first.model,
+        context_length=_least(i.context_length for i in infos),
+        max_total_num_tokens=_least(i.max_total_num_tokens for i in infos),
+        block_size=first.block_size,
+        sampling_defaults=first.sampling_defaults,
+        engine_version=first.engine_version,
+    )
+
+
+class EngineCatalog:
+    """The engines a frontend knows of, by model, as of one moment."""
+
+    def __init__(self, infos: Iterable[EngineInfo] = ()) -> None:
+        by_model: dict[str, list[EngineInfo]] = {}
+        for info in infos:
+            by_model.setdefault(info.model, []).append(info)
+        self._models = {model: combine(found) for model, found in sorted(by_model.items())}
+
+    def __bool__(self) -> bool:
+        return bool(self._models)
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def get(self, model: str | None = None) -> EngineInfo | None:
+        """The info of `model`; with no model named, of the only (else the first) model.
+        None when nothing is known of it: formats then check nothing against the engine."""
+        if model is None:
+            return next(iter(self._models.values()), None)
+        return self._models.get(model)
+
+
+NO_ENGINES = EngineCatalog()

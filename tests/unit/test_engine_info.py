@@ -1,0 +1,67 @@
+"""Engine info: what workers advertise, read tolerantly, combined per model."""
+
+from __future__ import annotations
+
+import pytest
+
+from genmesh.engines.mock import MockConfig, MockEngine
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog, EngineInfo
+
+pytestmark = pytest.mark.unit
+
+
+def test_round_trip_keeps_every_field() -> None:
+    info = EngineInfo(
+        model="m",
+        context_length=4096,
+        max_total_num_tokens=100_000,
+        block_size=16,
+        sampling_defaults={"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 64},
+        engine_version="x-1",
+    )
+    assert EngineInfo.from_wire(info.to_wire()) == info
+
+
+@pytest.mark.parametrize("card", [None, [], {}, {"model": 3}, {"context_length": 5}])
+def test_a_card_without_a_model_name_has_no_info(card: object) -> None:
+    assert EngineInfo.from_wire(card) is None
+
+
+def test_wrong_types_and_unknown_defaults_are_dropped_not_fatal() -> None:
+    info = EngineInfo.from_wire(
+        {
+            "model": "m",
+            "context_length": "4096",
+            "max_total_num_tokens": -1,
+            "block_size": True,
+            "sampling_defaults": {"temperature": "hot", "top_k": 20, "typical_p": 0.5},
+            "engine_version": 7,
+        }
+    )
+    assert info == EngineInfo(model="m", sampling_defaults={"top_k": 20})
+
+
+def test_catalog_takes_the_tightest_limits_of_a_models_workers() -> None:
+    catalog = EngineCatalog(
+        [
+            EngineInfo("b", context_length=8192, max_total_num_tokens=50_000),
+            EngineInfo("a", context_length=4096),
+            EngineInfo("b", context_length=2048, sampling_defaults={"top_p": 0.9}),
+        ]
+    )
+    assert catalog.models == ["a", "b"]
+    b = catalog.get("b")
+    assert b is not None
+    assert (b.context_length, b.max_total_num_tokens) == (2048, 50_000)
+    assert catalog.get(None) == catalog.get("a")
+    assert catalog.get("c") is None
+    assert not NO_ENGINES and NO_ENGINES.get() is None
+
+
+def test_the_mock_advertises_its_limits() -> None:
+    config = MockConfig(max_model_len=1000, sampling_defaults={"temperature": 0.7})
+    info = EngineInfo.from_wire(MockEngine(config).describe()["engine_info"])
+    assert info is not None
+    assert (info.model, info.context_length) == (config.model, 1000)
+    assert info.max_total_num_tokens == config.kv_capacity_tokens
+    assert info.sampling_defaults == {"temperature": 0.7}
