@@ -55,7 +55,8 @@ def test_catalog_takes_the_tightest_limits_of_a_models_workers() -> None:
     assert (b.context_length, b.max_total_num_tokens) == (2048, 50_000)
     assert catalog.get(None) == catalog.get("a")
     assert catalog.get("c") is None
-    assert not NO_ENGINES and NO_ENGINES.get() is None
+    assert not NO_ENGINES
+    assert NO_ENGINES.get() is None
 
 
 def test_the_mock_advertises_its_limits() -> None:
