@@ -89,6 +89,7 @@ def test_sampling_defaults_read_a_map_or_its_json_text() -> None:
     text = '{"temperature": 0.6, "max_new_tokens": 64, "stop": ["x"], "top_k": true}'
     assert sampling_defaults(text) == {"temperature": 0.6, "max_new_tokens": 64}
     assert sampling_defaults({"min_p": 0.1}) == {"min_p": 0.1}
+    assert sampling_defaults('{"temperature": NaN, "top_p": Infinity, "top_k": 5}') == {"top_k": 5}
     for unreadable in ("{not json", "[1]", None, 3):
         assert sampling_defaults(unreadable) == {}
 

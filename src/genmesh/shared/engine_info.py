@@ -14,6 +14,7 @@ type, yields None for that field rather than losing the worker.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,8 @@ def _int(value: Any) -> int | None:
 def _number(value: Any) -> float | int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return value
+    # JSON text may say NaN or Infinity (Python's json reads both): no default to apply.
+    return value if math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
