@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from genmesh import __version__
 from genmesh.formats.base import GenerateFormat
+from genmesh.services.frontend.admin import add_admin_routes, auth_middlewares
 from genmesh.services.frontend.generate import GenerateHandler, dumps
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
@@ -31,8 +32,12 @@ def build_app(
     *,
     body_limit_bytes: int,
     metrics: CollectorRegistry | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=body_limit_bytes)
+    app = web.Application(
+        client_max_size=body_limit_bytes, middlewares=auth_middlewares(api_key, admin_api_key)
+    )
     app[STATE] = state
     for fmt in formats:
         handler = GenerateHandler(fmt, state, body_limit_bytes)
@@ -45,6 +50,7 @@ def build_app(
     for path in ("/get_server_info", "/server_info"):
         app.router.add_get(path, server_info)
     app.router.add_get("/v1/models", list_models)
+    add_admin_routes(app, state)
     if metrics is not None:
         app.router.add_get(METRICS_PATH, metrics_handler(metrics))
     return app
