@@ -5,8 +5,9 @@ other, as behind a load balancer."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -67,6 +68,16 @@ async def wait_inflight(url: str, count: int, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def wait_ready(url: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+            if r.status == 200:
+                return
+        assert time.monotonic() < deadline, "the frontend never became ready"
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 async def idle(two_fronts: Any) -> None:
     """Every test starts on idle workers, so that its in-flight counts are its own."""
@@ -87,7 +98,7 @@ def long_sglang(rid: str | list[str] | None = None, **more: Any) -> dict[str, An
 
 
 async def test_abort_unary_through_another_frontend(two_fronts: Any) -> None:
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     task = asyncio.create_task(post(first + "/generate", long_sglang("u-1")))
     await wait_inflight(first, 1)
     reply = await post(second + "/abort_request", {"rid": "u-1"})
@@ -102,7 +113,7 @@ async def test_abort_unary_through_another_frontend(two_fronts: Any) -> None:
 
 
 async def test_abort_sse_through_the_same_frontend(two_fronts: Any) -> None:
-    mesh, first, _ = two_fronts
+    _mesh, first, _ = two_fronts
     task = asyncio.create_task(stream(first + "/generate", long_sglang("s-1")))
     await wait_inflight(first, 1)
     assert (await post(first + "/abort_request", {"rid": "s-1"})).status == 200
@@ -117,7 +128,7 @@ async def test_abort_sse_through_the_same_frontend(two_fronts: Any) -> None:
 async def test_abort_matches_prefixes_across_workers(two_fronts: Any) -> None:
     """SGLang's scheduler aborts every rid starting with the one given, once the
     tokenizer manager has found that exact rid: here on the other worker too."""
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     a = asyncio.create_task(post(first + "/generate", long_sglang("px-1")))
     b = asyncio.create_task(post(first + "/generate", long_sglang("px-12")))
     await wait_inflight(first, 2)
@@ -130,7 +141,7 @@ async def test_abort_matches_prefixes_across_workers(two_fronts: Any) -> None:
 async def test_batch_items_are_reached_by_their_own_rids(two_fronts: Any) -> None:
     """A batch with rid "bt" runs items "bt_0" and "bt_1": SGLang does not know "bt" itself
     (ignored), while "bt_0" aborts item 0 and leaves item 1 to finish."""
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     body = {
         "input_ids": [[1, 2, 3], [4, 5, 6]],
         "rid": "bt",
@@ -151,28 +162,50 @@ async def test_batch_items_are_reached_by_their_own_rids(two_fronts: Any) -> Non
     assert metas[1]["finish_reason"] == {"type": "length", "length": 200}
 
 
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    """The `data:` payloads of an SSE response as they arrive."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
 async def test_parallel_samples_are_reached_by_the_ids_they_report(two_fronts: Any) -> None:
     """With n > 1 SGLang gives every sample a fresh rid (its meta_info.id): aborting one
-    of them stops that sample only."""
-    mesh, first, second = two_fronts
-    body = long_sglang(sampling_params={"max_new_tokens": LONG, "ignore_eos": True, "n": 2})
-    task = asyncio.create_task(stream(first + "/generate", body))
-    await wait_inflight(first, 2)
-    ids: set[str] = set()
-    async with aiohttp.ClientSession() as s, s.get(first + "/get_server_info") as r:
+    sample by that rid stops it and leaves the other running."""
+    _mesh, first, second = two_fronts
+    body = long_sglang(
+        "par", sampling_params={"max_new_tokens": LONG, "ignore_eos": True, "n": 2}, stream=True
+    )
+    finals: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as s, s.post(first + "/generate", json=body) as r:
         assert r.status == 200
-    # The sample rids come with the first chunks; read them from a second look at the
-    # stream is not possible, so abort all and check each sample ended aborted.
-    assert (await post(second + "/abort_request", {"abort_all": True})).status == 200
-    result = await asyncio.wait_for(task, 10)
-    finals = [e for e in result.events[:-1] if e["meta_info"]["finish_reason"] is not None]
-    ids = {e["meta_info"]["id"] for e in finals}
-    assert len(ids) == 2
-    assert all(e["meta_info"]["finish_reason"] == SGLANG_ABORT for e in finals)
+        events = sse_events(r)
+        ids: set[str] = set()
+        async for event in events:
+            ids.add(event["meta_info"]["id"])
+            if len(ids) == 2:
+                break
+        victim, survivor = sorted(ids)
+        assert "par" not in ids  # not reached by the request's own rid
+        assert (await post(second + "/abort_request", {"rid": victim})).status == 200
+        async for event in events:
+            if event == "[DONE]":
+                break
+            meta = event["meta_info"]
+            if meta["finish_reason"] is not None:
+                finals[meta["id"]] = meta["finish_reason"]
+                if meta["id"] == victim:
+                    # The survivor is still running: end it, and the test, by abort_all.
+                    assert survivor not in finals
+                    stop_all = await post(second + "/abort_request", {"abort_all": True})
+                    assert stop_all.status == 200
+    assert finals == {victim: SGLANG_ABORT, survivor: SGLANG_ABORT}
 
 
 async def test_abort_all_ends_every_request(two_fronts: Any) -> None:
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     tasks = [asyncio.create_task(post(first + "/generate", long_sglang())) for _ in range(3)]
     await wait_inflight(first, 3)
     assert (await post(second + "/abort_request", {"abort_all": True})).status == 200
@@ -187,7 +220,8 @@ async def test_unknown_and_empty_rids_are_ignored_bad_ones_refused(two_fronts: A
     assert (await post(first + "/abort_request", {})).status == 200
     bad = await post(first + "/abort_request", {"rid": 5})
     assert bad.status == 400
-    assert bad.body["object"] == "error" and "rid" in bad.body["message"]
+    assert bad.body["object"] == "error"
+    assert "rid" in bad.body["message"]
 
 
 async def test_an_aborted_request_ends_with_its_end_frame_and_is_not_migrated(
@@ -213,7 +247,8 @@ async def test_an_aborted_request_ends_with_its_end_frame_and_is_not_migrated(
         assert (await post(first + "/abort_request", {"rid": "nm-1"})).status == 200
         await asyncio.wait_for(task, 10)
     kinds = [f["t"] for f in seen]
-    assert MIG not in kinds and frames.ERR not in kinds
+    assert MIG not in kinds
+    assert frames.ERR not in kinds
     assert seen[-1]["t"] == frames.END
     assert seen[-1]["finish"] == {"reason": "abort", "message": "Aborted"}
 
@@ -229,7 +264,7 @@ def long_vllm(**more: Any) -> dict[str, Any]:
 
 
 async def test_vllm_abort_requests(two_fronts: Any) -> None:
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     missing = await post(second + "/abort_requests", {})
     assert missing.status == 400
     assert missing.body == {
@@ -260,7 +295,7 @@ async def test_vllm_abort_requests(two_fronts: Any) -> None:
 
 
 async def test_vllm_cancel_route(two_fronts: Any) -> None:
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     unknown = await post(second + "/v1/requests/generate-tokens-nobody/cancel", {})
     assert unknown.status == 404
     assert unknown.body["error"]["type"] == "NotFoundError"
@@ -289,7 +324,7 @@ async def cached(url: str, prompt: list[int]) -> int:
 
 
 async def test_flush_cache_empties_every_workers_cache(two_fronts: Any) -> None:
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     prompt = list(range(100, 164))  # 4 blocks of 16
     # Round robin over two workers: by the third run both have seen the prompt.
     warm = [await cached(first, prompt) for _ in range(4)]
@@ -304,7 +339,7 @@ async def test_flush_cache_empties_every_workers_cache(two_fronts: Any) -> None:
 
 
 async def test_flush_is_refused_while_requests_run(two_fronts: Any) -> None:
-    mesh, first, second = two_fronts
+    _mesh, first, second = two_fronts
     task = asyncio.create_task(post(first + "/generate", long_sglang("busy")))
     await wait_inflight(first, 1)
     async with aiohttp.ClientSession() as s, s.post(second + "/flush_cache") as r:
@@ -322,7 +357,7 @@ async def test_flush_with_a_silent_worker_fails_within_the_timeout(
     """A worker the frontend knows but that never answers (it announced, then hung)."""
     import nats
 
-    mesh, first, second = two_fronts
+    mesh, _first, second = two_fronts
     async with aiohttp.ClientSession() as s, s.get(second + "/get_server_info") as r:
         card = (await r.json())["genmesh"]["workers"][0]
     ghost = card | {"id": "ghost", "subject": Subjects(mesh.namespace).worker_generate("ghost")}
@@ -335,16 +370,14 @@ async def test_flush_with_a_silent_worker_fails_within_the_timeout(
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         started = time.monotonic()
-        async with aiohttp.ClientSession() as s, s.post(mesh.http_url + "/flush_cache") as r:
+        async with aiohttp.ClientSession() as s, s.post(second + "/flush_cache") as r:
             text = await r.text()
             assert r.status == 400
         assert time.monotonic() - started < 4  # --admin-timeout 2
         assert "Flushed on 2 of 3 workers." in text
         assert "Worker ghost did not answer in time." in text
     finally:
-        await nc.publish(
-            Subjects(mesh.namespace).leave, get_codec(None).encode({"id": "ghost"})
-        )
+        await nc.publish(Subjects(mesh.namespace).leave, get_codec(None).encode({"id": "ghost"}))
         await nc.close()
 
 
@@ -355,7 +388,7 @@ async def test_admin_api_key_guards_the_admin_routes(two_fronts: Any) -> None:
     mesh, _, _ = two_fronts
     mesh.add_frontend("--admin-api-key", "adm-secret", name="frontend-keyed")
     url = mesh.http_url
-    mesh.wait_for_workers(lambda ids: len(ids) >= 2)
+    await wait_ready(url)
     for path, body in (("/abort_request", {"rid": "x"}), ("/abort_requests", {"request_ids": []})):
         refused = await post(url + path, body)
         assert (refused.status, refused.body) == (401, {"error": "Unauthorized"})
@@ -365,7 +398,9 @@ async def test_admin_api_key_guards_the_admin_routes(two_fronts: Any) -> None:
         assert ok.status == 200
     assert (await post(url + "/flush_cache", {})).status == 401
     # Only the admin routes: generation and probes stay open (no --api-key).
-    gen = await post(url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
+    gen = await post(
+        url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+    )
     assert gen.status == 200
 
 
@@ -373,6 +408,7 @@ async def test_api_key_guards_everything_but_probes(two_fronts: Any) -> None:
     mesh, _, _ = two_fronts
     mesh.add_frontend("--api-key", "k1", name="frontend-api-key")
     url = mesh.http_url
+    await wait_ready(url)  # probes need no key
     body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
     assert (await post(url + "/generate", body)).status == 401
     assert (await post(url + "/generate", body, headers={"x-api-key": "k1"})).status == 200
