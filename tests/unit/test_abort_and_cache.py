@@ -51,9 +51,6 @@ def test_matching_rules() -> None:
     assert prefix.hits(env("r-1"))
     assert prefix.hits(env("r-12"))
     assert not prefix.hits(env("r-2"))
-    sglang = AbortOrder(("r-1",), "sglang", "sglang")  # its first stage is exact
-    assert sglang.hits(env("r-1"))
-    assert not sglang.hits(env("r-12"))
     assert not prefix.hits(env(None))  # nothing to match
     everything = AbortOrder((), "all")
     assert everything.hits(env(None, "vllm"))
@@ -150,7 +147,7 @@ async def test_local_backend_aborts_and_flushes_its_engine() -> None:
 
     task = asyncio.create_task(run())
     await asyncio.wait_for(running.wait(), 5)
-    assert await backend.abort(AbortOrder(("px-1",), "sglang", "sglang")) == ["px-1"]
+    assert await backend.abort(AbortOrder(("px-1",), "exact", "sglang")) == ["px-1"]
     await asyncio.wait_for(task, 5)
     assert frames[-1]["finish"] == {"reason": "abort", "message": "Aborted"}
     report = await backend.flush_cache()

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from genmesh.shared.envelope import Envelope
 
-Match = Literal["exact", "prefix", "sglang", "all"]
-MATCHES: tuple[str, ...] = ("exact", "prefix", "sglang", "all")
+Match = Literal["exact", "prefix", "all"]
+MATCHES: tuple[str, ...] = ("exact", "prefix", "all")
 ABORT_VERSION = 1
 
 
@@ -22,11 +22,10 @@ ABORT_VERSION = 1
 class AbortOrder:
     """Which admitted requests to abort.
 
-    - `exact`: those whose client ID is one of `ids` (vLLM's rule);
-    - `prefix`: those whose client ID starts with one of `ids` (SGLang's scheduler);
-    - `sglang`: SGLang's two stages: an ID aborts something only if a request has exactly
-      that client ID (the tokenizer manager's check); the worker holding it then orders a
-      `prefix` abort of it, which every worker applies (the scheduler's match);
+    - `exact`: those whose client ID is one of `ids` (vLLM's rule; SGLang's first stage,
+      the tokenizer manager's check that it knows the rid);
+    - `prefix`: those whose client ID starts with one of `ids` (SGLang's second stage, its
+      scheduler's match, sent only once the first found the rid);
     - `all`: every admitted request (`abort_all`), whatever `format` says.
 
     `format`, when set, narrows the order to requests of that format: an SGLang rid never
@@ -60,8 +59,7 @@ class AbortOrder:
         return cls(tuple(ids), match, fmt)
 
     def hits(self, envelope: Envelope) -> bool:
-        """Whether this order aborts `envelope` on the worker that admitted it. (For
-        `sglang`, the exact stage only: the prefix stage is the order that follows.)"""
+        """Whether this order aborts `envelope` on the worker that admitted it."""
         if self.match == "all":
             return True
         if self.format is not None and envelope.format != self.format:

@@ -117,13 +117,17 @@ class AdminRoutes:
             log.warning("ignored /abort_request with an empty rid and abort_all false")
             return web.Response(status=200)
         else:
-            order = AbortOrder((rid,), "sglang", "sglang")
+            order = AbortOrder((rid,), "exact", "sglang")
         try:
             aborted = await self.state.backend.abort(order)
+            if aborted and order.match == "exact":
+                # SGLang's second stage: its tokenizer manager knew the rid, so its
+                # scheduler aborts every request whose rid starts with it.
+                aborted += await self.state.backend.abort(AbortOrder(order.ids, "prefix", "sglang"))
         except Exception as exc:  # SGLang: any exception is a 400 {"error": {"message"}}
             log.exception("abort failed")
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        log.info("abort %s: aborted %s", order.to_wire(), aborted)
+        log.info("abort %s: aborted %s", order.to_wire(), sorted(set(aborted)))
         return web.Response(status=200)
 
     async def vllm_abort(self, request: web.Request) -> web.Response:

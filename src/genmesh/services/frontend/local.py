@@ -45,10 +45,6 @@ class LocalBackend:
     async def abort(self, order: AbortOrder) -> list[str]:
         """The engine ends what the order names (an engine that cannot leaves it be)."""
         hits = [env for env in self._running.values() if order.hits(env)]
-        if order.match == "sglang":
-            prefixes = tuple(env.client_id for env in hits if env.client_id)
-            prefix = AbortOrder(prefixes, "prefix", order.format)
-            hits = [env for env in self._running.values() if prefixes and prefix.hits(env)]
         for env in hits:
             await self.engine.abort(env.id)
         return [env.client_id for env in hits if env.client_id]

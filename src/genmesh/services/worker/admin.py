@@ -70,13 +70,6 @@ class AdminHandlers:
             log.info("ignored unreadable abort order: %s", exc)
             return
         hits = [a for a in worker.active_requests() if order.hits(a.envelope)]
-        if order.match == "sglang":
-            exact = sorted({a.envelope.client_id for a in hits if a.envelope.client_id})
-            if exact:
-                # SGLang's second stage: the scheduler aborts every rid with this prefix,
-                # wherever it runs.
-                second = AbortOrder(tuple(exact), "prefix", order.format)
-                await publish(worker.nc, worker.subjects.abort, get_codec(None), second.to_wire())
         for active in hits:
             self.abort(active)
         if msg.reply:
