@@ -189,8 +189,8 @@ class MockEngine:
             if self.config.prefix_cache
             else None
         )
-        # The abort flag of every generation in progress, by envelope id.
-        self._aborts: dict[str, asyncio.Event] = {}
+        # Every generation in progress (by envelope id), with the flag that aborts it.
+        self._running: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
         return None
@@ -203,7 +203,7 @@ class MockEngine:
 
     async def abort(self, request_id: str) -> bool:
         """The generation stops before its next token with SGLang's abort finish."""
-        flag = self._aborts.get(request_id)
+        flag = self._running.get(request_id)
         if flag is None:
             return False
         flag.set()
@@ -211,11 +211,11 @@ class MockEngine:
 
     async def flush_cache(self) -> None:
         """Empty the prefix cache; refused while requests run, as SGLang refuses."""
-        if self._aborts:
+        if self._running:
             raise MeshError(
                 ErrorCode.UNAVAILABLE,
                 f"Cache not flushed because there are pending requests "
-                f"(#running-req: {len(self._aborts)})",
+                f"(#running-req: {len(self._running)})",
             )
         if self.cache is not None:
             self.cache.clear()
@@ -314,7 +314,7 @@ class MockEngine:
                 rows.append(self.experts.row(state))
 
         cached = self.cache.lookup(prompt) if self.cache is not None else 0
-        aborted = self._aborts.setdefault(env.id, asyncio.Event())
+        aborted = self._running.setdefault(env.id, asyncio.Event())
         kv = len(prompt)
         self._active_kv_tokens += kv
         output: list[int] = []
@@ -389,8 +389,8 @@ class MockEngine:
                 yield out
         finally:
             self._active_kv_tokens -= kv
-            if self._aborts.get(env.id) is aborted:
-                del self._aborts[env.id]
+            if self._running.get(env.id) is aborted:
+                del self._running[env.id]
             if self.cache is not None and output:
                 # The finished sequence stays cached, as a radix cache keeps it.
                 self.cache.insert(prompt + output)
