@@ -307,6 +307,7 @@ MATRIX: list[Rule] = [
     # client: an application that sends requests over NATS (MeshClient, genmesh request)
     Rule("client", "pub", "genmesh.{ns}.router.generate", True, "requests go to the routers"),
     Rule("client", "pub", "genmesh.{ns}.cancel", True, "cancel its requests"),
+    Rule("client", "pub", "genmesh.{ns}.abort", False, "aborts by ID go through a frontend"),
     Rule("client", "pub", W + ".ping", True, "liveness ping of its worker (migration)"),
     Rule("client", "pub", W + ".generate", False, "no way around the routers"),
     Rule("client", "pub", "genmesh.{ns}.discovery.announce", False, "cannot pose as a worker"),
@@ -368,6 +369,8 @@ MATRIX: list[Rule] = [
     Rule("frontend", "pub", W + ".ping", True, "liveness ping (migration)"),
     Rule("frontend", "pub", "genmesh.{ns}.discovery.query", True, "learn the mesh"),
     Rule("frontend", "pub", "genmesh.{ns}.trace", True, "--request-trace-nats"),
+    Rule("frontend", "pub", "genmesh.{ns}.abort", True, "/abort_request, /abort_requests"),
+    Rule("frontend", "pub", "genmesh.{ns}.flush_cache", True, "/flush_cache"),
     Rule("frontend", "pub", W + ".generate", False, "no way around the routers"),
     Rule("frontend", "pub", "genmesh.{ns}.discovery.announce", False, "cannot pose as a worker"),
     Rule(
@@ -417,6 +420,8 @@ MATRIX: list[Rule] = [
     Rule("worker", "sub", W + ".generate", True, "its requests"),
     Rule("worker", "sub", W + ".ping", True, "liveness pings"),
     Rule("worker", "sub", "genmesh.{ns}.cancel", True, "cancels"),
+    Rule("worker", "sub", "genmesh.{ns}.abort", True, "aborts by client ID"),
+    Rule("worker", "sub", "genmesh.{ns}.flush_cache", True, "cache flushes"),
     Rule("worker", "sub", "genmesh.{ns}.discovery.query", True, "announce on a query"),
     Rule(
         "worker", "sub", "genmesh.{ns}.router.generate", False, "cannot take requests "
@@ -435,6 +440,7 @@ MATRIX: list[Rule] = [
     Rule("worker", "pub", "genmesh.{ns}.router.generate", False, "cannot send requests"),
     Rule("worker", "pub", "genmesh.{ns}.worker.w2.generate", False, "nor to another worker"),
     Rule("worker", "pub", "genmesh.{ns}.cancel", False, "cannot cancel others' requests"),
+    Rule("worker", "pub", "genmesh.{ns}.abort", False, "cannot abort others' requests"),
     Rule(
         "worker", "pub", "_INBOX_frontend.f1.0", False,
         "replies only to requests it received (allow_responses)",
@@ -555,6 +561,14 @@ async def test_the_mesh_works_with_each_roles_credentials(
     chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     assert chunks[-1]["meta_info"]["completion_tokens"] == 300
     assert sum(len(c["output_ids"]) for c in chunks) == 300
+
+    # The admin fan-outs: the frontend's orders and the workers' answers (as responses).
+    async with aiohttp.ClientSession() as session:
+        async with session.post(mesh.http_url + "/flush_cache") as resp:
+            assert resp.status == 200, await resp.text()
+            assert "Flushed on 2 of 2 workers." in await resp.text()
+        async with session.post(mesh.http_url + "/v1/requests/generate-tokens-none/cancel") as resp:
+            assert resp.status == 404  # every worker answered: none runs it
 
     # NATS, as the client user: a request, and a router's refusal (not_found), which
     # reaches the client through the router's allow_responses.

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from genmesh.client import request
@@ -289,7 +290,8 @@ async def test_rid_is_echoed_and_private_id_stays_inside(mesh: AnyMesh) -> None:
     assert re.fullmatch(r"[0-9a-f]{32}", public_a)
     assert public_a != public_b
     assert a.headers["x-request-id"] == public_a
-    # The public ID is minted at the frontend and never travels: workers never see it.
+    # The public ID is minted at the frontend and never addresses anything: workers see it
+    # only as the envelope's client_id (what an abort by ID matches), never as its id.
     async with worker_requests(mesh.nats_url, mesh.namespace) as seen:
         c = await post(
             mesh.http_url + "/generate",
@@ -298,7 +300,9 @@ async def test_rid_is_echoed_and_private_id_stays_inside(mesh: AnyMesh) -> None:
     assert c.status == 200
     assert seen  # the request did reach a worker
     public_c = c.body["meta_info"]["id"]
-    assert all(public_c.encode() not in data for data in seen)
+    envelopes = [msgpack.unpackb(data) for data in seen]
+    assert [e["client_id"] for e in envelopes] == [public_c] * len(envelopes)
+    assert all(e["id"] != public_c for e in envelopes)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 from multidict import CIMultiDict
 
@@ -335,13 +336,16 @@ async def test_request_id_echo(mesh: AnyMesh) -> None:
     assert a.body["request_id"] != b.body["request_id"]
     public = a.headers["x-request-id"]
     assert a.body["request_id"] == f"generate-tokens-{public}"
-    # The public ID is minted at the frontend and never travels: workers never see it.
+    # The public ID is minted at the frontend and never addresses anything: workers see it
+    # only as the envelope's client_id (what an abort by ID matches), never as its id.
     async with worker_requests(mesh.nats_url, mesh.namespace) as seen:
         c = await post(mesh, {"token_ids": [1], "sampling_params": {"max_tokens": 1}})
     assert c.status == 200
     assert seen  # the request did reach a worker
     public_c = c.headers["x-request-id"]
-    assert all(public_c.encode() not in data for data in seen)
+    envelopes = [msgpack.unpackb(data) for data in seen]
+    assert [e["client_id"] for e in envelopes] == [public_c] * len(envelopes)
+    assert all(e["id"] != public_c for e in envelopes)
 
 
 async def test_routing_headers_and_fields_are_accepted(mesh: AnyMesh) -> None:

@@ -67,3 +67,15 @@ class Engine(Protocol):
         ...
 
     def generate(self, envelope: Envelope) -> AsyncGenerator[EngineOutput, None]: ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop the generation of envelope `request_id` as the engine stops an aborted
+        request: its stream then ends with an output whose finish reason is `abort`.
+        False when the engine does not run it (any more) or cannot do that; the worker
+        then cancels the generation and reports the abort itself."""
+        ...
+
+    async def flush_cache(self) -> None:
+        """Empty the engine's prefix cache. Raises `MeshError` when the engine refuses
+        (SGLang does while it has requests) or fails."""
+        ...

@@ -73,6 +73,8 @@ class ServerState:
     disconnected: list[str] = field(default_factory=list)
     # Every abort call: {"ids": [...], "at": Unix time of its arrival}.
     abort_calls: list[dict[str, Any]] = field(default_factory=list)
+    # Cache flushes asked of the server (SGLang's /flush_cache, vLLM's /reset_prefix_cache).
+    flush_calls: int = 0
     # The W3C `traceparent` header of each generate request that carried one.
     traceparents: list[str] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -114,6 +116,7 @@ class ServerState:
             "aborted": list(self.aborted),
             "disconnected": list(self.disconnected),
             "abort_calls": list(self.abort_calls),
+            "flush_calls": self.flush_calls,
             "traceparents": list(self.traceparents),
             "faults_pending": [asdict(f) for f in self.faults],
             "token_delay_ms": self.token_delay_s * 1000,
@@ -140,6 +143,12 @@ class FaultyEngine:
 
     def describe(self) -> dict[str, Any]:
         return self.inner.describe()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.inner.abort(request_id)
+
+    async def flush_cache(self) -> None:
+        await self.inner.flush_cache()
 
     async def generate(self, envelope: Envelope) -> AsyncGenerator[EngineOutput, None]:
         fault = self.state.next_fault()

@@ -20,6 +20,7 @@ from typing import Any
 
 from genmesh import __version__
 from genmesh.engines.base import EngineOutput, usage
+from genmesh.engines.prefix_cache import PrefixCache
 from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -188,6 +189,14 @@ class MockConfig:
         parse=non_negative_float,
         help="mock engine speed-up over its timing model; 0 = instant",
     )
+    # A prefix cache (blocks of `block_size`, LRU within `kv_capacity_tokens`) that
+    # `cached_tokens` reports and a flush empties. Off by default: then what the mock
+    # answers is a pure function of the request, whatever ran before on the worker.
+    prefix_cache: bool = option(
+        False,
+        flag="--mock-prefix-cache",
+        help="give the mock a prefix cache (reported as cached_tokens; emptied by a flush)",
+    )
     # The shape of the routed-expert rows it reports.
     moe_layers: int = 4
     moe_top_k: int = 2
@@ -210,6 +219,13 @@ class MockEngine:
             self.config.moe_layers, self.config.moe_top_k, self.config.moe_experts
         )
         self._active_kv_tokens = 0
+        self.cache = (
+            PrefixCache(self.config.block_size, self.config.kv_capacity_tokens)
+            if self.config.prefix_cache
+            else None
+        )
+        # Every generation in progress (by envelope id), with the flag that aborts it.
+        self._running: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
         return None
@@ -219,6 +235,25 @@ class MockEngine:
 
     async def healthy(self) -> bool:
         return True
+
+    async def abort(self, request_id: str) -> bool:
+        """The generation stops before its next token with SGLang's abort finish."""
+        flag = self._running.get(request_id)
+        if flag is None:
+            return False
+        flag.set()
+        return True
+
+    async def flush_cache(self) -> None:
+        """Empty the prefix cache; refused while requests run, as SGLang refuses."""
+        if self._running:
+            raise MeshError(
+                ErrorCode.UNAVAILABLE,
+                f"Cache not flushed because there are pending requests "
+                f"(#running-req: {len(self._running)})",
+            )
+        if self.cache is not None:
+            self.cache.clear()
 
     def describe(self) -> dict[str, Any]:
         c = self.config
@@ -313,11 +348,16 @@ class MockEngine:
             if experts_from is not None and i >= experts_from:
                 rows.append(self.experts.row(state))
 
+        cached = self.cache.lookup(prompt) if self.cache is not None else 0
+        aborted = self._running.setdefault(env.id, asyncio.Event())
         kv = len(prompt)
         self._active_kv_tokens += kv
+        output: list[int] = []
         try:
-            await self._sleep_ms(prefill_ms(len(prompt)))
-            first = EngineOutput(tokens=[], cached_tokens=0)
+            await self._sleep_ms(prefill_ms(len(prompt) - cached))
+            if self.cache is not None:
+                self.cache.insert(prompt)
+            first = EngineOutput(tokens=[], cached_tokens=cached)
             if start is not None:
                 first.prompt_logprobs = prompt_lps
                 first.prompt_ranks = prompt_ranks
@@ -326,7 +366,7 @@ class MockEngine:
                 first.routed_experts = rows
             if budget == 0:
                 first.finish = {"reason": "length"}
-                first.usage = usage(len(prompt), 0)
+                first.usage = usage(len(prompt), 0, cached)
                 yield first
                 return
 
@@ -340,6 +380,13 @@ class MockEngine:
                 if n:
                     kv_fraction = self._active_kv_tokens / self.config.kv_capacity_tokens
                     await self._sleep_ms(decode_step_ms(kv_fraction))
+                if aborted.is_set():
+                    # SGLang's finish for a request /abort_request stopped while running.
+                    out = pending or EngineOutput(tokens=[])
+                    out.finish = {"reason": "abort", "message": "Aborted"}
+                    out.usage = usage(len(prompt), n, cached)
+                    yield out
+                    return
                 candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
                 token, logprob = candidates[0]
                 if n < min_tokens and token in banned:
@@ -359,6 +406,7 @@ class MockEngine:
                     # The previous token's forward pass; the last token never gets one.
                     out.routed_experts = [self.experts.row(state)]
                 state = advance(state, token)
+                output.append(token)
                 self._active_kv_tokens += 1
                 kv += 1
                 finish: Finish | None = None
@@ -370,9 +418,14 @@ class MockEngine:
                     finish = {"reason": "length"}
                 if finish is not None:
                     out.finish = finish
-                    out.usage = usage(len(prompt), n + 1)
+                    out.usage = usage(len(prompt), n + 1, cached)
                     yield out
                     return
                 yield out
         finally:
             self._active_kv_tokens -= kv
+            if self._running.get(env.id) is aborted:
+                del self._running[env.id]
+            if self.cache is not None and output:
+                # The finished sequence stays cached, as a radix cache keeps it.
+                self.cache.insert(prompt + output)

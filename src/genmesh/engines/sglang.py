@@ -172,6 +172,11 @@ class SglangEngine(HttpEngineBase):
         # Learnt from the server by healthy(); forgotten while it is down.
         self._server_info: dict[str, Any] = {}
         self._model_len: Any = None
+        # The engine rid of every generation in progress, by envelope id.
+        self._rids: dict[str, str] = {}
+        # Engine rids this adapter aborted on purpose (`abort`): their abort finish is
+        # the requested end, even before the first token ("Abort in waiting queue").
+        self._aborted: set[str] = set()
 
     def describe(self) -> dict[str, Any]:
         info = self._server_info
@@ -261,6 +266,29 @@ class SglangEngine(HttpEngineBase):
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("could not abort %s on %s: %s", rid, self.config.url, exc)
 
+    async def abort(self, request_id: str) -> bool:
+        """SGLang's own abort of the engine request: its stream then ends with SGLang's
+        abort finish (`Aborted`, or `Abort in waiting queue`)."""
+        rid = self._rids.get(request_id)
+        if rid is None:
+            return False
+        self._aborted.add(rid)
+        await self._abort(rid)
+        return True
+
+    async def flush_cache(self) -> None:
+        """`POST /flush_cache`; SGLang answers 400 while it has requests."""
+        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+        try:
+            async with self.session.post(f"{self.config.base}/flush_cache", timeout=timeout) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise unavailable(
+                f"cannot flush the cache of SGLang at {self.config.url}: {exc}"
+            ) from None
+        if r.status != 200:
+            raise unavailable(f"SGLang did not flush its cache (HTTP {r.status}): {text.strip()}")
+
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
         return engine_call(self._generate(env), self.name, self.config.url, "/generate")
@@ -268,6 +296,7 @@ class SglangEngine(HttpEngineBase):
     async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         rid = new_dispatch_rid()
         body = sglang_body(env, rid)
+        self._rids[env.id] = rid
         # Once the POST starts the engine may know the rid: from then on, leaving early
         # (a cancel) must abort it. Every way of ending that the engine knows sets done.
         submitted = done = False
@@ -290,7 +319,7 @@ class SglangEngine(HttpEngineBase):
                 stops = _emulated_stops(env)
                 delivered = 0
                 try:
-                    async for out in self._read(response, env):
+                    async for out in self._read(response, env, rid):
                         if stops and out.finish is None and _stop_here(out, stops, env, delivered):
                             yield out  # ends at a stop token SGLang would not see:
                             return  # done stays unset, so the engine's run is aborted
@@ -311,12 +340,15 @@ class SglangEngine(HttpEngineBase):
                         f"SGLang stream failed: {exc!r}", reason="connection_lost"
                     ) from None
         finally:
+            if self._rids.get(env.id) == rid:
+                del self._rids[env.id]
+            self._aborted.discard(rid)
             if submitted and not done:
                 # Cancelled or abandoned: stop the engine's work, under our own rid only.
                 await asyncio.shield(self._abort(rid))
 
     async def _read(
-        self, response: aiohttp.ClientResponse, env: Envelope
+        self, response: aiohttp.ClientResponse, env: Envelope, rid: str
     ) -> AsyncGenerator[EngineOutput, None]:
         cursor = _Cursor(self._incremental())
         wants = env.output
@@ -357,7 +389,7 @@ class SglangEngine(HttpEngineBase):
             cursor.delivered += len(out.tokens)
             finish = meta.get("finish_reason")
             if finish is not None:
-                out.finish = _finish(finish, cursor.delivered)
+                out.finish = _finish(finish, cursor.delivered, rid in self._aborted)
                 out.usage = {
                     "prompt_tokens": int(meta.get("prompt_tokens") or len(env.token_ids)),
                     "completion_tokens": cursor.delivered,
@@ -400,8 +432,10 @@ def _stop_here(out: EngineOutput, stops: set[int], env: Envelope, delivered: int
     return False
 
 
-def _finish(finish: Any, delivered: int) -> Finish:
-    """SGLang's finish reason as genmesh's, or the error it stands for."""
+def _finish(finish: Any, delivered: int, aborted: bool = False) -> Finish:
+    """SGLang's finish reason as genmesh's, or the error it stands for. `aborted`: the
+    adapter asked SGLang to abort this request, so a plain abort is the end it asked
+    for even before the first token."""
     if not isinstance(finish, dict):
         finish = {"type": str(finish)}
     kind = finish.get("type")
@@ -411,7 +445,7 @@ def _finish(finish: Any, delivered: int) -> Finish:
         return {"reason": "length"}
     status, err_type = finish.get("status_code"), finish.get("err_type")
     message = str(finish.get("message") or kind)
-    if kind == "abort" and delivered and status is None and err_type is None:
+    if kind == "abort" and (delivered or aborted) and status is None and err_type is None:
         # On decode, a plain abort is a cancellation: the engine stopped the request.
         return {"reason": "abort", "message": message}
     detail = {"status_code": status, "err_type": err_type}

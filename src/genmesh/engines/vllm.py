@@ -439,6 +439,8 @@ class VllmEngine(HttpEngineBase):
         self._cache: dict[str, str] = {}
         # Whether POST /abort_requests exists (None = not known yet).
         self._abort_offered: bool | None = None
+        # The engine request id of every generation in progress, by envelope id.
+        self._dispatches: dict[str, str] = {}
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -550,6 +552,43 @@ class VllmEngine(HttpEngineBase):
             if response is not None:
                 response.close()
 
+    async def abort(self, request_id: str) -> bool:
+        """vLLM's own abort of the engine request (`POST /abort_requests`): its stream
+        then ends with finish reason `abort`. False without that endpoint: closing the
+        connection is vLLM's abort then, and it answers nothing more on it."""
+        dispatch_id = self._dispatches.get(request_id)
+        if dispatch_id is None or not self._abort_offered:
+            return False
+        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+        try:
+            async with self.session.post(
+                f"{self.config.base}{ABORT_PATH}",
+                json={"request_ids": engine_request_ids(dispatch_id)},
+                timeout=timeout,
+            ) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not abort %s on %s: %s", dispatch_id, self.config.url, exc)
+            return False
+
+    async def flush_cache(self) -> None:
+        """`POST /reset_prefix_cache` (vLLM's flush; served in its dev mode)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+        try:
+            async with self.session.post(
+                f"{self.config.base}/reset_prefix_cache", timeout=timeout
+            ) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise unavailable(
+                f"cannot reset the prefix cache of vLLM at {self.config.url}: {exc}"
+            ) from None
+        if r.status != 200:
+            raise unavailable(
+                f"vLLM did not reset its prefix cache (HTTP {r.status}): {text[:200]}"
+            )
+
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
         return engine_call(self._generate(env), self.name, self.config.url, GENERATE_PATH)
@@ -562,6 +601,7 @@ class VllmEngine(HttpEngineBase):
             )
         dispatch_id = new_dispatch_id()
         body, headers = vllm_request(env, dispatch_id, self._model)
+        self._dispatches[env.id] = dispatch_id
         parser = _Parser(env)
         url = f"{self.config.base}{GENERATE_PATH}"
         response: aiohttp.ClientResponse | None = None
@@ -615,6 +655,8 @@ class VllmEngine(HttpEngineBase):
                     f"vLLM stream failed: {exc!r}", reason="connection_lost"
                 ) from None
         finally:
+            if self._dispatches.get(env.id) == dispatch_id:
+                del self._dispatches[env.id]
             if submitted and not done and not parser.finished:
                 # Cancelled or abandoned: stop the engine's work, under our own id only.
                 await asyncio.shield(self._cancel(dispatch_id, response))

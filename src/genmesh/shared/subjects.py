@@ -43,6 +43,17 @@ class Subjects:
         return f"{self.prefix}.cancel"
 
     @property
+    def abort(self) -> str:
+        """Abort by client ID (an operator's or a client's `/abort_request`): every worker
+        listens; with a reply subject, each answers what it aborted."""
+        return f"{self.prefix}.abort"
+
+    @property
+    def flush_cache(self) -> str:
+        """Flush the engines' prefix caches: every worker listens and answers."""
+        return f"{self.prefix}.flush_cache"
+
+    @property
     def trace(self) -> str:
         """Request trace records, one JSON record per HTTP request (frontends publish)."""
         return f"{self.prefix}.trace"

@@ -21,7 +21,9 @@ class UpConfig:
 
     mesh: MeshConnection = group(MeshConnection(nats_url=""))  # "": start an embedded one
     auth: NatsAuth = nats_auth_group()
-    frontend: FrontendConfig = group(FrontendConfig(), only=("host", "port"))
+    frontend: FrontendConfig = group(
+        FrontendConfig(), only=("host", "port", "api_key", "admin_api_key", "admin_timeout_s")
+    )
     workers: int = option(2, help="number of worker processes")
     routers: int = option(1, parse=positive_int, help="number of router processes")
     router: RouterConfig = group(RouterConfig(), only=("policy",))

@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
+from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.shared.bus import NatsUnreachable, connect, redact
 from genmesh.shared.connection import MetricsConfig
@@ -15,7 +16,7 @@ from genmesh.shared.credentials import NatsAuth, NatsAuthError
 from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.lifecycle import STOP_SIGNALS
 from genmesh.shared.natsserver import NatsServerError
-from genmesh.shared.settings import variables
+from genmesh.shared.settings import to_env, variables
 from genmesh.supervisor import ChildExited, NotReady, Supervisor, wait_http_ok
 from genmesh.up.config import UpConfig
 
@@ -103,7 +104,11 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
         worker = replace(worker, mesh=mesh, auth=config.auth, metrics=metrics())
         await asyncio.to_thread(supervisor.spawn_genmesh, worker.service.worker_id, worker)
     frontend = replace(config.frontend, mesh=mesh, auth=config.auth)
-    child = await asyncio.to_thread(supervisor.spawn_genmesh, "frontend", frontend)
+    # The API keys are secrets: they reach the frontend in its environment, never argv.
+    keys = to_env(replace(FrontendConfig(), api_key=frontend.api_key,
+                          admin_api_key=frontend.admin_api_key))  # fmt: skip
+    frontend = replace(frontend, api_key=None, admin_api_key=None)
+    child = await asyncio.to_thread(supervisor.spawn_genmesh, "frontend", frontend, env=keys)
     http_url = f"http://{frontend.host}:{frontend.port}"
     ready = asyncio.ensure_future(
         wait_http_ok(f"{http_url}/health", timeout_s=READY_TIMEOUT_S, watch=[child])

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from genmesh.formats.base import GenerateFormat
+from genmesh.services.frontend.admin import add_admin_routes, auth_middlewares
 from genmesh.services.frontend.generate import GenerateHandler
 from genmesh.services.frontend.info import add_info_routes
 from genmesh.services.frontend.state import FrontendState
@@ -31,8 +32,12 @@ def build_app(
     *,
     body_limit_bytes: int,
     metrics: CollectorRegistry | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=body_limit_bytes)
+    app = web.Application(
+        client_max_size=body_limit_bytes, middlewares=auth_middlewares(api_key, admin_api_key)
+    )
     app[STATE] = state
     for fmt in formats:
         handler = GenerateHandler(fmt, state, body_limit_bytes)
@@ -41,6 +46,7 @@ def build_app(
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     add_info_routes(app, state)
+    add_admin_routes(app, state)
     if metrics is not None:
         app.router.add_get(METRICS_PATH, metrics_handler(metrics))
     return app

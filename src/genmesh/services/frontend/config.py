@@ -54,6 +54,23 @@ class FrontendConfig:
         help="seconds a request may take in all (HTTP 504 after); 0 = no limit; a request's "
         "X-Request-Timeout header may set a shorter one",
     )
+    # Keys as SGLang's --api-key and --admin-api-key guard routes (admin.py): the API key
+    # every route but health and metrics; the admin routes (aborts, flush) need the admin
+    # key when one is set, else the API key when that is set.
+    api_key: str | None = option(
+        None,
+        secret=True,
+        help="require 'Authorization: Bearer <key>' on every route but health/metrics",
+    )
+    admin_api_key: str | None = option(
+        None, secret=True, help="require this key instead on the admin routes (abort, flush_cache)"
+    )
+    admin_timeout_s: float = option(
+        5.0,
+        flag="--admin-timeout",
+        parse=non_negative_float,
+        help="seconds an abort or /flush_cache waits for every worker to answer",
+    )
     records: RecordsConfig = group(RecordsConfig(), title="request trace records")
 
 

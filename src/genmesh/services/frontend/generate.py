@@ -108,6 +108,9 @@ class GenerateHandler:
         for envelope in bound.items:
             envelope.id = new_request_id()
             envelope.deadline = deadline
+            # The ID the client sees is the one it can abort by (admin.py), even if it
+            # did not choose one.
+            envelope.client_id = envelope.client_id or public_id
         info.items = bound.items
         rid = (
             bound.items[0].id

@@ -67,7 +67,9 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             ping_after_s=config.ping_after_s,
             directory=directory,  # a worker that leaves discovery is a migration trigger
         )
-        backend = MeshBackend(nc, client, directory, namespace)
+        backend = MeshBackend(
+            nc, client, directory, namespace, admin_timeout_s=config.admin_timeout_s
+        )
         # Closes the directory, the client and the connection, in that order.
         resources.push_async_callback(backend.close)
         await client.start()
@@ -97,6 +99,8 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             formats,
             body_limit_bytes=int(config.body_limit_mb * 1024 * 1024),
             metrics=metrics.registry,
+            api_key=config.api_key,
+            admin_api_key=config.admin_api_key,
         )
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
         # the request in the mesh. Without it aiohttp lets the handler run to the end.

@@ -14,11 +14,14 @@ from typing import Any, Protocol
 from nats.aio.client import Client
 
 from genmesh.client import ClientFrame, MeshClient
+from genmesh.services.frontend.fanout import FlushReport, broadcast_abort, flush_all
 from genmesh.services.frontend.observers import Observer
+from genmesh.shared.abort import AbortOrder
 from genmesh.shared.bus import drain_or_close
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.engine_info import EngineCatalog, EngineInfo
 from genmesh.shared.envelope import Envelope
+from genmesh.shared.subjects import Subjects
 
 
 class Backend(Protocol):
@@ -41,6 +44,15 @@ class Backend(Protocol):
         """What those workers' engines advertise (`engine_info`), by model."""
         ...
 
+    async def abort(self, order: AbortOrder) -> list[str]:
+        """Abort the admitted requests `order` names, wherever they run; the client IDs
+        of those aborted (as far as the workers answered in time)."""
+        ...
+
+    async def flush_cache(self) -> FlushReport:
+        """Flush every worker's engine cache."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -50,6 +62,8 @@ class MeshBackend:
     client: MeshClient
     directory: WorkerDirectory
     namespace: str
+    # How long admin fan-outs (abort, flush) wait for the workers' answers.
+    admin_timeout_s: float = 5.0
 
     def generate(
         self, envelope: Envelope, *, no_migration: str | None = None
@@ -70,6 +84,19 @@ class MeshBackend:
 
     def engines(self) -> EngineCatalog:
         return EngineCatalog(w.engine_info for w in self.directory.live() if w.engine_info)
+
+    def _worker_ids(self) -> set[str]:
+        return {w.card["id"] for w in self.directory.live() if isinstance(w.card.get("id"), str)}
+
+    async def abort(self, order: AbortOrder) -> list[str]:
+        subject = Subjects(self.namespace).abort
+        expected = self._worker_ids()
+        aborted = await broadcast_abort(self.nc, subject, order, expected, self.admin_timeout_s)
+        return aborted or []
+
+    async def flush_cache(self) -> FlushReport:
+        subject = Subjects(self.namespace).flush_cache
+        return await flush_all(self.nc, subject, self._worker_ids(), self.admin_timeout_s)
 
     async def close(self) -> None:
         await self.directory.close()

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.engines.base import Engine
 from genmesh.engines.execute import execute
 from genmesh.services.worker import tracing as worker_tracing
+from genmesh.services.worker.admin import ABORTED, AdminHandlers, abort_end_frame
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
@@ -70,6 +72,10 @@ class _Active:
     started: bool = False
     # Its trace span (None while tracing is off), current in its task.
     span: tracing.FrameSpan | None = None
+    # Output tokens sent so far (an abort the worker reports itself counts them).
+    tokens: int = 0
+    # An abort by client ID reached it (`services/worker/admin.py`).
+    abort_requested: bool = False
 
 
 class Worker(Service):
@@ -101,6 +107,7 @@ class Worker(Service):
         # the endpoint's `rejections`.
         self.aborts = 0
         self.engine_errors: Counter[str] = Counter()
+        self.admin = AdminHandlers(self)
 
     @property
     def worker_id(self) -> str:
@@ -140,6 +147,8 @@ class Worker(Service):
             subs = [
                 await self.endpoint.subscribe(),
                 await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
+                await self.nc.subscribe(self.subjects.abort, cb=self.admin.on_abort),
+                await self.nc.subscribe(self.subjects.flush_cache, cb=self.admin.on_flush),
                 await self.nc.subscribe(self.subjects.query, cb=self._on_query),
                 await self.nc.subscribe(
                     self.subjects.worker_ping(self.worker_id), cb=self._on_ping
@@ -352,6 +361,8 @@ class Worker(Service):
             try:
                 async for last in execute(self.engine, active.envelope):
                     active.started = True
+                    if last["t"] == frames.OUT or last["t"] == frames.END:
+                        active.tokens += len(last["tokens"])
                     await self._send(active, last)
                     if active.span is not None:
                         active.span.frame(last)
@@ -359,10 +370,15 @@ class Worker(Service):
                     self.engine_errors[last["code"]] += 1
             except asyncio.CancelledError:
                 self.aborts += 1
-                reason = active.stop_reason or MeshError(
-                    ErrorCode.CANCELLED, "request was cancelled"
-                )
-                last = frames.err(rid, 0, reason)
+                if active.stop_reason is ABORTED:
+                    # Aborted by client ID where the engine could not finish it itself:
+                    # it ends as the engine ends an aborted request, not as an error.
+                    last = abort_end_frame(active.envelope, active.tokens, active.started)
+                else:
+                    reason = active.stop_reason or MeshError(
+                        ErrorCode.CANCELLED, "request was cancelled"
+                    )
+                    last = frames.err(rid, 0, reason)
                 await self._send(active, last)
             await self.nc.publish(active.reply, STREAM_TERMINATOR)
         except CodecError as exc:
@@ -379,6 +395,15 @@ class Worker(Service):
             self.stats[_outcome(last)] += 1
             if active.span is not None:
                 active.span.end(last)
+
+    def active_requests(self) -> list[_Active]:
+        return list(self._active.values())
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.spawn(coro, name=name)
+
+    def stop_request(self, active: _Active, reason: MeshError) -> None:
+        self._stop_request(active, reason)
 
     def _stop_request(self, active: _Active, reason: MeshError) -> None:
         if active.task is not None and not active.task.done():

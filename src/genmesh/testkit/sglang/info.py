@@ -156,10 +156,14 @@ class InfoRoutes:
         return json_response(self._model_card())
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang's reply text either way; 400 while requests run or wait (its
+        scheduler refuses to flush then)."""
+        self.state.flush_calls += 1
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be "
-            "performed.)\n"
+            "performed.)\n",
+            status=400 if self.state.running else 200,
         )
 
 

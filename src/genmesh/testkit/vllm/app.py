@@ -128,6 +128,12 @@ async def _abort_requests(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """`POST /reset_prefix_cache` (vLLM's dev-mode route): 200 with no body."""
+    request.app[ENGINE].state.flush_calls += 1
+    return web.Response(status=200)
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.Response(status=200 if request.app[STATE_KEY].healthy else 503)
 
@@ -210,6 +216,7 @@ def build_app(config: MockServerConfig, *, profile: Profile = "new") -> web.Appl
     app.router.add_post(GENERATE_PATH, _generate)
     if config.tokens_only:
         app.router.add_post("/abort_requests", _abort_requests)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/version", _version)
