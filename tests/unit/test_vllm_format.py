@@ -1279,3 +1279,22 @@ def test_folding_is_independent_of_how_tokens_are_split_into_frames(
         assert chunks[-1]["usage"] == whole["usage"]
         assert data[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert whole["usage"]["completion_tokens"] == len(per_token)
+
+
+def test_the_ignored_names_remembered_are_bounded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients choose the field names: the set of names logged once cannot grow forever."""
+    from genmesh.formats.vllm import request as vllm_request
+
+    monkeypatch.setattr(vllm_request, "_ignored_logged", set())
+    monkeypatch.setattr(vllm_request, "_MAX_REMEMBERED", 3)
+    with caplog.at_level("WARNING", logger="genmesh.formats.vllm.request"):
+        for i in range(10):
+            bind_raw(raw(**{f"zz_bounded_{i}": 1}))
+        bind_raw(raw(zz_bounded_9=1))
+    assert len(vllm_request._ignored_logged) <= 3 + 1  # one request's names past the bound
+    # Every name was logged at least once; a name past the bound is logged again.
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert all(f"zz_bounded_{i}" in logged for i in range(10))
+    assert logged.count("zz_bounded_9") == 2

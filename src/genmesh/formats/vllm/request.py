@@ -80,7 +80,10 @@ VALIDATION_ERROR_TYPE = "Bad Request"
 _NOT_FORWARDED = frozenset(("request_id", "token_ids", "stream", "stream_options"))
 
 log = logging.getLogger(__name__)
+# Ignored field names already logged. Clients choose the names, so the set is bounded:
+# past the bound, new names are still logged (once per request) but not remembered.
 _ignored_logged: set[str] = set()
+_MAX_REMEMBERED = 1024
 
 
 def error_type(status: int) -> str:
@@ -203,7 +206,8 @@ def _log_ignored(kind: str, names: set[str]) -> None:
     """vLLM drops fields it does not know; say so once per name and process."""
     new = sorted(f"{kind}{name}" for name in names if f"{kind}{name}" not in _ignored_logged)
     if new:
-        _ignored_logged.update(new)
+        if len(_ignored_logged) < _MAX_REMEMBERED:
+            _ignored_logged.update(new)
         log.warning("The following fields were present in the request but ignored: %s", new)
 
 
