@@ -272,9 +272,9 @@ def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams)
 def _check_token_ids(prompt: list[int], sp: SamplingParams) -> None:
     """Token ids the mesh can carry. vLLM checks them against the vocabulary, which
     the mesh does not know; it bounds them by the envelope's token id range."""
-    for i, tid in enumerate(prompt):
-        if tid > MAX_TOKEN_ID:
-            raise _reject(f"Token id {tid} is out of vocabulary", f"token_ids.{i}")
+    if max(prompt) > MAX_TOKEN_ID:  # max() first: the prompt is the long list
+        i = next(i for i, tid in enumerate(prompt) if tid > MAX_TOKEN_ID)
+        raise _reject(f"Token id {prompt[i]} is out of vocabulary", f"token_ids.{i}")
     for name, ids in (
         ("stop_token_ids", sp.stop_token_ids or []),
         ("logit_bias", list(sp.logit_bias or {})),
