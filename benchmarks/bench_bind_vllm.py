@@ -9,8 +9,8 @@ top_p, top_k, seed, logprobs, stop_token_ids), n = 1 and n = 4, and the same wit
 logprobs. Each repeat binds `--requests` requests in a row and records the mean; the
 figures are the median and the minimum over the repeats, in µs per request, for `bind`
 alone (the parsed body given) and for `parse + bind`. On a shared machine the minimum is
-the steadier of the two (other load only adds time). The engine catalog knows the model (context 32768), as a
-frontend's does once workers are up.
+the steadier of the two (other load only adds time). The engine catalog knows the model
+(context 32768), as a frontend's does once workers are up.
 
 To compare with another checkout, run this file with PYTHONPATH at that checkout's `src`
 (the script only needs `VllmFormat` and `EngineCatalog`).
