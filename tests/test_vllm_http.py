@@ -545,3 +545,24 @@ async def test_max_tokens_beyond_the_context_is_refused_as_newest_vllm_does(mesh
     body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 32765, "seed": 3}}
     reply = await post(mesh, body)
     assert reply.status == 200, reply.body
+
+
+async def test_return_token_ids_gives_the_prompt_back(mesh: AnyMesh) -> None:
+    """Newest vLLM: `return_token_ids` puts `prompt_token_ids` in the unary body and in the
+    first SSE chunk only; without it there is no such field (as before)."""
+    body = {"token_ids": [31, 32, 33], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
+    plain = await post(mesh, body)
+    assert "prompt_token_ids" not in plain.body
+    unary = await post(mesh, {**body, "return_token_ids": True})
+    assert unary.status == 200, unary.body
+    assert unary.body["prompt_token_ids"] == [31, 32, 33]
+    assert unary.body["choices"] == plain.body["choices"]
+    sse = await stream(mesh, {**body, "return_token_ids": True})
+    *chunks, done = sse.events
+    assert done == "[DONE]"
+    assert [c.get("prompt_token_ids") for c in chunks] == [[31, 32, 33]] + [None] * (
+        len(chunks) - 1
+    )
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == (
+        plain.body["choices"][0]["token_ids"]
+    )

@@ -663,7 +663,6 @@ def test_fields_vllm_accepts_are_accepted_at_their_defaults(fields: dict[str, An
         ({"content_parts": [{"type": "image_url"}]}, "multimodal", "features"),
         ({"ec_transfer_params": {"a": 1}}, "encoder-cache", "ec_transfer_params"),
         ({"output_mode": "text"}, "output_mode 'text' is not supported", "output_mode"),
-        ({"return_token_ids": True}, "return_token_ids is not supported", "return_token_ids"),
         ({"sampling_params": {"stop": "x"}}, "stop strings need a tokenizer", SP + "stop"),
         ({"sampling_params": {"bad_words": ["x"]}}, "bad_words need a tokenizer",
          SP + "bad_words"),

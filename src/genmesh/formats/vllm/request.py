@@ -165,6 +165,8 @@ class VllmOptions:
     # vLLM's `should_include_usage(stream_options)`.
     include_usage: bool
     continuous_usage: bool
+    # `return_token_ids`: the prompt token ids in the unary body and the first SSE chunk.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +245,6 @@ def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams)
     if req.output_mode != "tokens":
         raise _reject(f"output_mode {req.output_mode!r} is not supported: this tokens-only "
                       "server answers in output_mode 'tokens'", "output_mode")  # fmt: skip
-    if req.return_token_ids:
-        raise _reject("return_token_ids is not supported by this server; the prompt "
-                      "token ids are the request's token_ids", "return_token_ids")  # fmt: skip
     if sp.stop:
         raise _reject("stop strings need a tokenizer and this tokens-only server has none; "
                       "use stop_token_ids", "sampling_params.stop")  # fmt: skip
@@ -430,6 +429,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
         model=req.model,
         include_usage=include_usage,
         continuous_usage=continuous,
+        return_token_ids=bool(req.return_token_ids),
     )
     return Bound(
         items=items,
