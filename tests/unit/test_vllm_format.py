@@ -20,6 +20,7 @@ from genmesh.engines.execute import output_frame
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.catalog import installed_formats, load_generate_formats
+from genmesh.formats.client_codec import CodecFormat
 from genmesh.formats.merge import Merger, fold
 from genmesh.formats.vllm import VllmFormat
 from genmesh.formats.vllm.request import (
@@ -692,6 +693,14 @@ def test_what_this_server_cannot_do_is_refused_by_value(
     assert exc.body["error"]["param"] == param
 
 
+def test_fanned_out_seeds_must_fit_the_bus() -> None:
+    assert [e.sampling.seed for e in sp(n=2, seed=2**64 - 2).items] == [2**64 - 2, 2**64 - 1]
+    exc = rejected(raw(sampling_params={"n": 3, "seed": 2**64 - 2}))
+    assert exc.message == f"seed must be in [-2**63, 2**64 - n], got {2**64 - 2}."
+    assert exc.body["error"]["param"] == "sampling_params.seed"
+    assert "does not fit in 64 bits" in rejected(raw(sampling_params={"seed": 2**64})).message
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -785,8 +794,22 @@ def test_nothing_is_checked_when_the_catalog_knows_nothing_of_the_model() -> Non
     assert FORMAT.bind(body, JSON, catalog()).items[0].sampling.max_tokens == 10**6
 
 
-def test_a_generated_public_id_is_a_uuid4_hex() -> None:
-    ids = {FORMAT.new_public_id() for _ in range(50)}
+class _IdentityCodec:
+    name = "identity"
+    joiners: dict[str, Any] = {}
+
+    def decode_request(self, request: Any) -> Any:
+        return request
+
+    def encode_record(self, record: Any) -> Any:
+        return record
+
+
+@pytest.mark.parametrize(
+    "fmt", [FORMAT, CodecFormat(VllmFormat(), _IdentityCodec())], ids=["vllm", "vllm+codec"]
+)
+def test_a_generated_public_id_is_a_uuid4_hex(fmt: Any) -> None:
+    ids = {fmt.new_public_id() for _ in range(50)}
     assert len(ids) == 50
     for public_id in ids:
         assert re.fullmatch(r"[0-9a-f]{32}", public_id)

@@ -73,6 +73,7 @@ RESPONSE_ID_PREFIX = "generate-tokens-"
 MAX_N = 256
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
 # The `type` vLLM's RequestValidationError handler writes (HTTPStatus.BAD_REQUEST.phrase);
 # errors made by the serving code say "BadRequestError" instead.
 VALIDATION_ERROR_TYPE = "Bad Request"
@@ -373,6 +374,10 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     if n > MAX_N:  # vLLM's serving check against --max-num-seqs
         raise _reject(f"sampling_params.n must be at most the server's max_num_seqs "
                       f"({MAX_N}), got {n}.")  # fmt: skip
+    if sp.seed is not None and n > 1 and sp.seed + n - 1 > _UINT64_MAX:
+        # Sample i gets seed + i (vLLM V1's child requests): each must fit the bus.
+        raise _reject(f"seed must be in [-2**63, 2**64 - n], got {sp.seed}.",
+                      "sampling_params.seed")  # fmt: skip
     # The native payload as the client sent it, minus what the mesh handles itself.
     native = {k: v for k, v in body.items() if k not in _NOT_FORWARDED}
     _check_wire_ints(native)
