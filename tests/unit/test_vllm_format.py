@@ -26,6 +26,7 @@ from genmesh.formats.vllm import VllmFormat
 from genmesh.formats.vllm.request import (
     MAX_N,
     VllmOptions,
+    error,
     error_type,
 )
 from genmesh.formats.vllm.response import (
@@ -1320,3 +1321,13 @@ def test_the_ignored_names_remembered_are_bounded(
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"zz_bounded_{i}" in logged for i in range(10))
     assert logged.count("zz_bounded_9") == 2
+
+
+def test_error_messages_are_sanitised_as_vllm_does() -> None:
+    """vLLM's `sanitize_message` runs on every error message: file paths (even in the
+    client's own values, shown in a validation error's `input`) become `<path>`."""
+    text, _ = invalid(b'{"sampling_params": {}, "model": "/home/me/models/llama"}')
+    assert "'msg': 'Field required'" in text
+    assert "/home/me" not in text
+    assert "'model': '<path>'" in text
+    assert error("bad <object at 0x7f3a2b>")["error"]["message"] == "bad <object>"

@@ -100,12 +100,27 @@ def error_type(status: int) -> str:
     return name if name.endswith("Error") else name + "Error"
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
+_TRACEBACK_LINE = re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?')
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's `sanitize_message`, applied to every error message it sends: no memory
+    addresses, traceback lines or file paths (so also none from a client's own values)."""
+    message = _ADDRESS.sub(">", message)
+    message = _TRACEBACK_LINE.sub("", message)
+    message = _SYSTEM_PATH.sub("<path>", message)
+    return _FILE_PATH.sub("<path>", message).strip()
+
+
 def error(
     message: str, status: int = 400, param: str | None = None, type_: str | None = None
 ) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": sanitize_message(message),
             "type": type_ or error_type(status),
             "param": param,
             "code": status,
@@ -114,7 +129,8 @@ def error(
 
 
 def _reject(message: str, param: str | None = None, status: int = 400) -> RequestRejected:
-    return RequestRejected(status, error(message, status, param), message)
+    body = error(message, status, param)
+    return RequestRejected(status, body, body["error"]["message"])
 
 
 def _invalid(errors: list[Any], param: str | None) -> RequestRejected:
@@ -123,7 +139,7 @@ def _invalid(errors: list[Any], param: str | None) -> RequestRejected:
     message = f"{count} validation {'error' if count == 1 else 'errors'}:\n"
     message = (message + "".join(f"  {err}\n" for err in errors)).rstrip()
     body = error(message, 400, param, VALIDATION_ERROR_TYPE)
-    return RequestRejected(400, body, message)
+    return RequestRejected(400, body, body["error"]["message"])
 
 
 # pydantic-core's wrapper/union-branch markers, which vLLM drops from `param` paths.
