@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -336,6 +337,9 @@ async def test_request_id_echo(mesh: AnyMesh) -> None:
     assert a.body["request_id"] != b.body["request_id"]
     public = a.headers["x-request-id"]
     assert a.body["request_id"] == f"generate-tokens-{public}"
+    # vLLM's random_uuid(): a UUID4, as 32 hex digits.
+    assert re.fullmatch(r"[0-9a-f]{32}", public)
+    assert uuid.UUID(hex=public).version == 4
     # The public ID is minted at the frontend and never addresses anything: workers see it
     # only as the envelope's client_id (what an abort by ID matches), never as its id.
     async with worker_requests(mesh.nats_url, mesh.namespace) as seen:
@@ -365,22 +369,67 @@ async def test_routing_headers_and_fields_are_accepted(mesh: AnyMesh) -> None:
     assert reply.body["kv_transfer_params"] is None
 
 
+# vLLM validates the body with pydantic: a failure is its RequestValidationError
+# handler's answer (type "Bad Request", every pydantic error listed, param = the location).
+@pytest.mark.parametrize(
+    ("body", "fragment", "param"),
+    [
+        ({"token_ids": [], "sampling_params": {}}, "at least 1 item", "body.token_ids"),
+        ({"token_ids": [1, -2], "sampling_params": {}}, "token_ids must not contain negative",
+         "body.token_ids"),
+        ({"token_ids": [1]}, "'loc': ('body', 'sampling_params'), 'msg': 'Field required'",
+         "body.sampling_params"),
+        ({"sampling_params": {}}, "'loc': ('body', 'token_ids'), 'msg': 'Field required'",
+         "body.token_ids"),
+        ({"token_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]",
+         "top_p"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 0}},
+         "max_tokens must be at least 1", "max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"n": 0}}, "n must be at least 1",
+         "body.sampling_params"),
+        ({"token_ids": [1], "sampling_params": {"temperature": "x"}},
+         "unable to parse string as a number", "body.sampling_params"),
+        ({"token_ids": [1], "sampling_params": {}, "priority": "high"},
+         "unable to parse string as an integer", "body.priority"),
+        ({"token_ids": [1], "sampling_params": {}, "priority": 2**70},
+         "less than or equal to 9223372036854775807", "body.priority"),
+    ],
+)  # fmt: skip
+async def test_invalid_requests_get_vllms_validation_errors(
+    mesh: AnyMesh, body: dict[str, Any], fragment: str, param: str
+) -> None:
+    for streaming in (False, True):
+        reply = await post(mesh, {**body, "stream": streaming})
+        assert reply.status == 400, reply.body
+        err = assert_vllm_error(reply.body, 400, "Bad Request")
+        assert re.match(r"[0-9]+ validation errors?:\n", err["message"])
+        assert fragment in err["message"]
+        assert err["param"] == param
+
+
+async def test_unknown_fields_are_ignored_as_vllm_ignores_them(mesh: AnyMesh) -> None:
+    """What sglang-router or a newer client adds (`return_bytes`, a new sampling key, a new
+    stream option) does not fail the request: vLLM drops what it does not know."""
+    body = {
+        "token_ids": [5, 6],
+        "sampling_params": {"max_tokens": 3, "max_new_tokens": 9, "seed": 1},
+        "return_bytes": False,
+        "bogus": 1,
+        "stream_options": {"include_usage": True, "future_option": 1},
+    }
+    reply = await post(mesh, body)
+    assert reply.status == 200, reply.body
+    assert reply.body["choices"][0]["token_ids"] == tokens_of(
+        await reference([5, 6], max_tokens=3, seed=1)
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
-        ({"token_ids": [], "sampling_params": {}}, "at least 1 item"),
-        ({"token_ids": [1, -2], "sampling_params": {}}, "non-negative"),
-        ({"token_ids": [1]}, "sampling_params: Field required"),
-        ({"sampling_params": {}}, "token_ids: Field required"),
-        ({"token_ids": [1], "sampling_params": {}, "bogus": 1, "other": 2}, "bogus, other"),
-        ({"token_ids": [1], "sampling_params": {"max_new_tokens": 3}}, "max_new_tokens"),
+        # Accepted by vLLM, refused here by value: this server cannot deliver it.
         ({"token_ids": [1], "sampling_params": {"stop": ["x"]}}, "stop strings"),
-        ({"token_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
-        ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "max_tokens must be at least 1"),
-        ({"token_ids": [1], "sampling_params": {"n": 0}}, "n must be at least 1"),
-        ({"token_ids": [1], "sampling_params": {"temperature": "x"}}, "valid number"),
-        ({"token_ids": [1], "sampling_params": {}, "priority": "high"}, "priority"),
-        ({"token_ids": [1], "sampling_params": {}, "priority": 2**70}, "64 bits"),
+        ({"token_ids": [1], "sampling_params": {"n": 257}}, "max_num_seqs (256)"),
         # Refused by the engine (the mock), after dispatch, still in vLLM's envelope.
         ({"token_ids": [1, 5000], "sampling_params": {}}, "outside the vocabulary"),
         (
@@ -406,7 +455,7 @@ async def test_bad_requests_get_vllm_errors(
         (b"{not json", JSON),
         (b"[1, 2]", JSON),
         (b'{"token_ids": "abc", "sampling_params": {}}', JSON),
-        (b'{"token_ids": [1], "sampling_params": {}, "stream": "yes"}', JSON),
+        (b'{"token_ids": [1], "sampling_params": {}, "stream": "maybe"}', JSON),
         (b'{"token_ids": [1], "sampling_params": {}}', {"Content-Type": "text/plain"}),
     ],
 )
@@ -416,7 +465,7 @@ async def test_malformed_bodies(mesh: AnyMesh, data: bytes, headers: dict[str, s
         session.post(mesh.http_url + PATH, data=data, headers=headers) as r,
     ):
         assert r.status == 400
-        assert_vllm_error(await r.json(), 400, "BadRequestError")
+        assert_vllm_error(await r.json(), 400, "Bad Request")
 
 
 async def test_get_is_not_served(mesh: AnyMesh) -> None:
@@ -474,3 +523,50 @@ async def test_client_disconnect_cancels_at_the_worker(slow_mesh: Mesh) -> None:
 
     await asyncio.to_thread(wait_until, cancelled, 5.0, 0.02, "the worker to cancel")
     assert _card(slow_mesh, worker.name)["stats"]["completed"] == 0
+
+
+async def test_max_tokens_beyond_the_context_is_refused_as_newest_vllm_does(mesh: AnyMesh) -> None:
+    """The workers advertise their context length (the mock: 32768); vLLM's tokens route
+    answers 400 for a max_tokens that does not fit instead of capping it (it guards an
+    int32 overflow that once killed vLLM's engine, vllm-project/vllm#54175)."""
+    for streaming in (False, True):
+        body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 32766}}
+        reply = await post(mesh, {**body, "stream": streaming})
+        assert reply.status == 400, reply.body
+        err = assert_vllm_error(reply.body, 400, "BadRequestError")
+        assert err["message"] == (
+            "'max_tokens' or 'max_completion_tokens' is too large: 32766. This model's "
+            "maximum context length is 32768 tokens and your request has 3 input tokens "
+            "(32766 > 32768 - 3)."
+        )
+        reply = await post(mesh, {"token_ids": [1] * 32769, "sampling_params": {}})
+        assert reply.status == 400, reply.body
+        err = assert_vllm_error(reply.body, 400, "BadRequestError")
+        assert (
+            err["message"] == "Input length (32769) exceeds model's maximum context length (32768)."
+        )
+    # What fits is served.
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 32765, "seed": 3}}
+    reply = await post(mesh, body)
+    assert reply.status == 200, reply.body
+
+
+async def test_return_token_ids_gives_the_prompt_back(mesh: AnyMesh) -> None:
+    """Newest vLLM: `return_token_ids` puts `prompt_token_ids` in the unary body and in the
+    first SSE chunk only; without it there is no such field (as before)."""
+    body = {"token_ids": [31, 32, 33], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
+    plain = await post(mesh, body)
+    assert "prompt_token_ids" not in plain.body
+    unary = await post(mesh, {**body, "return_token_ids": True})
+    assert unary.status == 200, unary.body
+    assert unary.body["prompt_token_ids"] == [31, 32, 33]
+    assert unary.body["choices"] == plain.body["choices"]
+    sse = await stream(mesh, {**body, "return_token_ids": True})
+    *chunks, done = sse.events
+    assert done == "[DONE]"
+    assert [c.get("prompt_token_ids") for c in chunks] == [[31, 32, 33]] + [None] * (
+        len(chunks) - 1
+    )
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == (
+        plain.body["choices"][0]["token_ids"]
+    )

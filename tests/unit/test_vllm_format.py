@@ -7,6 +7,8 @@ import asyncio
 import itertools
 import json
 import math
+import re
+import uuid
 from typing import Any
 
 import pytest
@@ -18,13 +20,13 @@ from genmesh.engines.execute import output_frame
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.catalog import installed_formats, load_generate_formats
+from genmesh.formats.client_codec import CodecFormat
 from genmesh.formats.merge import Merger, fold
 from genmesh.formats.vllm import VllmFormat
 from genmesh.formats.vllm.request import (
-    KNOWN_FIELDS,
-    KNOWN_SAMPLING_PARAMS,
     MAX_N,
     VllmOptions,
+    error,
     error_type,
 )
 from genmesh.formats.vllm.response import (
@@ -36,12 +38,14 @@ from genmesh.formats.vllm.response import (
     top_entries,
 )
 from genmesh.shared import frames
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog, EngineInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 
 pytestmark = pytest.mark.unit
 
 JSON = {"content-type": "application/json"}
+SP = "sampling_params."
 FORMAT = VllmFormat()
 
 
@@ -166,13 +170,22 @@ def test_top_k_zero_or_minus_one_is_off(top_k: int) -> None:
     assert env.engine["sampling_params"]["top_k"] == top_k  # the native value is kept
 
 
-def test_min_tokens_without_max_tokens_is_fine() -> None:
-    assert sp(min_tokens=50).items[0].sampling.min_tokens == 50
+def test_min_tokens_is_checked_against_the_dataclass_default_max_tokens() -> None:
+    """vLLM validates SamplingParams before the server defaults max_tokens, so a
+    min_tokens above the dataclass default (16) with no max_tokens is refused."""
+    assert sp(min_tokens=16).items[0].sampling.min_tokens == 16
+    text, _ = invalid(raw(sampling_params={"min_tokens": 17}))
+    assert "min_tokens must be less than or equal to max_tokens=16, got 17." in text
 
 
-@pytest.mark.parametrize("stop", [None, "", []])
+@pytest.mark.parametrize("stop", [None, []])
 def test_empty_stop_is_accepted(stop: Any) -> None:
     sp(stop=stop)
+
+
+def test_an_empty_stop_string_is_refused_as_vllm_does() -> None:
+    text, _ = invalid(raw(sampling_params={"stop": ""}))
+    assert "stop cannot contain an empty string." in text
 
 
 def test_passthrough_sampling_params_reach_the_engine() -> None:
@@ -233,9 +246,8 @@ def test_top_level_fields_reach_the_engine_and_routing() -> None:
         (0, 0),
         (5, -5),
         (-3, 3),
-        # The negation saturates (the native value must still fit the bus: 64 bits).
-        (2**64 - 1, -(2**63)),
-        (2**63, -(2**63)),
+        # vLLM bounds priority to int64; the negation saturates at the bounds.
+        (2**63 - 1, -(2**63 - 1)),
         (-(2**63), 2**63 - 1),
     ],
 )
@@ -306,7 +318,7 @@ def test_stream_flag() -> None:
         (None, False, False),
         ({}, True, False),
         ({"include_usage": True}, True, False),
-        ({"include_usage": None}, True, False),
+        ({"include_usage": None}, False, False),  # vLLM: bool(include_usage)
         ({"include_usage": False}, False, False),
         ({"continuous_usage_stats": True}, True, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False, False),
@@ -370,91 +382,329 @@ def test_output_mode_tokens_is_accepted() -> None:
 
 
 # ------------------------------------------------------------------- validation paths
+# vLLM validates the body with pydantic and answers a failure from its
+# RequestValidationError handler (frontend/entrypoints/serve/exception_handling/handlers/
+# validation.py): "N validation error(s):" then each pydantic error as FastAPI reports it,
+# type "Bad Request", param = the VLLMValidationError's parameter, else the first error's
+# location without pydantic's markers (`clean_loc_for_param`).
+
+
+def invalid(data: bytes, headers: Any = None) -> tuple[str, Any]:
+    """A validation failure: (message, param), with the handler's envelope checked."""
+    with pytest.raises(RequestRejected) as info:
+        bind_raw(data, headers)
+    err = info.value.body["error"]
+    assert info.value.status == 400
+    assert (err["type"], err["code"]) == ("Bad Request", 400)
+    assert err["message"] == info.value.message
+    return err["message"], err["param"]
 
 
 @pytest.mark.parametrize(
     "headers",
     [
-        {},
         {"content-type": "text/plain"},
         {"content-type": "application/x-www-form-urlencoded"},
         {"content-type": "application/jsonl"},
     ],
 )
 def test_only_json_content_types_are_accepted(headers: dict[str, str]) -> None:
-    exc = rejected(raw(), headers)
-    assert "Only 'application/json' is allowed" in exc.message
+    message, param = invalid(raw(), headers)
+    assert message == (
+        "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+    )
+    assert param is None
+
+
+def test_the_content_type_is_checked_before_the_body() -> None:
+    message, _ = invalid(b"{not json", {"content-type": "text/plain"})
+    assert "Unsupported Media Type" in message
+    # With no content type at all FastAPI parses the body as JSON first.
+    message, _ = invalid(b"{not json", {})
+    assert "JSON decode error" in message
+    message, _ = invalid(raw(), {})
+    assert "Unsupported Media Type" in message
 
 
 def test_json_content_type_with_parameters_is_fine() -> None:
     bind({"Content-Type": "application/json; charset=utf-8"})
 
 
-@pytest.mark.parametrize("data", [b"{not json", b"", b"\xff\xfe", b'{"a": 1'])
-def test_non_json_bodies(data: bytes) -> None:
-    exc = rejected(data)
-    assert exc.message.startswith("JSON decode error")
+def test_non_json_bodies_get_fastapis_json_invalid_error() -> None:
+    message, param = invalid(b'{"a": 1')
+    assert message == (
+        "1 validation error:\n  {'type': 'json_invalid', 'loc': ('body', 7), "
+        "'msg': 'JSON decode error', 'input': {}, 'ctx': {'error': \"Expecting ',' delimiter\"}}"
+    )
+    assert param == "body.7"
+    message, param = invalid(b"")
+    assert message == (
+        "1 validation error:\n  {'type': 'missing', 'loc': ('body',), "
+        "'msg': 'Field required', 'input': None}"
+    )
+    assert param == "body"
+
+
+def test_undecodable_bytes_are_a_parse_error() -> None:
+    with pytest.raises(RequestRejected) as info:
+        bind_raw(b'{"a": "\xff"}')
+    assert info.value.body["error"]["message"] == "There was an error parsing the body"
 
 
 @pytest.mark.parametrize("value", [[1, 2], "x", 3, None])
 def test_body_must_be_an_object(value: Any) -> None:
-    rejected(json.dumps(value).encode())
+    message, param = invalid(json.dumps(value).encode())
+    assert "'type': 'model_type', 'loc': ('body',)" in message
+    assert param == "body"
 
 
-def test_unknown_top_level_fields_are_named() -> None:
-    exc = rejected(raw(zeta=1, alpha=2, input_ids=[1]))
-    assert exc.message == "unsupported top-level vLLM generate field(s): alpha, input_ids, zeta"
-
-
-def test_known_fields_are_what_the_docs_say() -> None:
-    assert {"request_id", "token_ids", "sampling_params", "model", "stream"} <= KNOWN_FIELDS
-    assert {"n", "max_tokens", "logprobs", "prompt_logprobs", "structured_outputs"} <= (
-        KNOWN_SAMPLING_PARAMS
+def test_missing_token_ids_names_body_token_ids() -> None:
+    message, param = invalid(b'{"sampling_params": {}}')
+    assert message == (
+        "1 validation error:\n  {'type': 'missing', 'loc': ('body', 'token_ids'), "
+        "'msg': 'Field required', 'input': {'sampling_params': {}}}"
     )
+    assert param == "body.token_ids"
+
+
+def test_two_errors_are_both_listed() -> None:
+    message, param = invalid(b'{"token_ids": [], "stream": "maybe"}')
+    assert message.startswith("3 validation errors:\n  {'type': 'too_short'")
+    assert "'loc': ('body', 'sampling_params'), 'msg': 'Field required'" in message
+    assert "'loc': ('body', 'stream'), 'msg': 'Input should be a valid boolean" in message
+    assert param == "body.token_ids"
 
 
 @pytest.mark.parametrize(
     ("fields", "fragment", "param"),
     [
-        ({"features": {"mm_hashes": {}}}, "multimodal", "features"),
-        ({"features": "x"}, "multimodal", "features"),
-        ({"ec_transfer_params": {"a": 1}}, "encoder-cache", "ec_transfer_params"),
-        ({"output_mode": "text"}, "output_mode 'text' is not supported", "output_mode"),
-        ({"token_ids": None}, "token_ids: Field required", "token_ids"),
-        ({"token_ids": "abc"}, "token_ids: Input should be a valid list", "token_ids"),
-        ({"token_ids": []}, "at least 1 item", "token_ids"),
-        ({"token_ids": [1, "x"]}, "token_ids.1: Input should be a valid integer", "token_ids"),
-        ({"token_ids": [1, True]}, "token_ids.1: Input should be a valid integer", "token_ids"),
-        ({"token_ids": [1, 2.0]}, "token_ids.1: Input should be a valid integer", "token_ids"),
-        ({"token_ids": [0, -1]}, "token_ids.1: token ids must be non-negative", "token_ids"),
-        ({"token_ids": [2**31]}, "out of range", "token_ids"),
-        ({"sampling_params": None}, "sampling_params: Field required", "sampling_params"),
-        ({"sampling_params": [1]}, "Input should be a valid dictionary", "sampling_params"),
-        ({"model": 5}, "model: Input should be a valid string", "model"),
-        ({"request_id": 5}, "request_id: Input should be a valid string", "request_id"),
-        ({"stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
-        ({"stream_options": []}, "valid dictionary", "stream_options"),
-        ({"stream_options": {"include_usage": 1}}, "valid boolean", "stream_options.include_usage"),
-        ({"stream_options": {"x": True}}, "stream_options field(s): x", "stream_options"),
-        ({"priority": "1"}, "priority: Input should be a valid integer", "priority"),
-        ({"priority": True}, "priority: Input should be a valid integer", "priority"),
-        ({"priority": 1.5}, "priority: Input should be a valid integer", "priority"),
-        ({"cache_salt": ""}, "cache_salt must be a non-empty string", "cache_salt"),
-        ({"cache_salt": "x" * 1025}, "at most 1024", "cache_salt"),
-        ({"cache_salt": 3}, "cache_salt: Input should be a valid string", "cache_salt"),
-        ({"kv_transfer_params": [1]}, "kv_transfer_params", "kv_transfer_params"),
+        ({"token_ids": None}, "'msg': 'Input should be a valid list'", "body.token_ids"),
+        ({"token_ids": "abc"}, "'msg': 'Input should be a valid list'", "body.token_ids"),
+        ({"token_ids": []}, "List should have at least 1 item after validation, not 0",
+         "body.token_ids"),
+        ({"token_ids": [1, "x"]}, "unable to parse string as an integer", "body.token_ids.1"),
+        ({"token_ids": [1, 2.5]}, "Input should be a valid integer, got a number with a "
+         "fractional part", "body.token_ids.1"),
+        ({"token_ids": [0, -1]}, "'msg': 'Value error, token_ids must not contain negative "
+         "values'", "body.token_ids"),
+        ({"sampling_params": None}, "Input should be an instance of SamplingParams",
+         "body.sampling_params"),
+        ({"model": 5}, "'msg': 'Input should be a valid string'", "body.model"),
+        ({"request_id": 5}, "'msg': 'Input should be a valid string'", "body.request_id"),
+        ({"stream": "maybe"}, "'msg': 'Input should be a valid boolean", "body.stream"),
+        ({"stream_options": []}, "Input should be a valid dictionary or instance of "
+         "StreamOptions", "body.stream_options"),
+        ({"stream_options": {"include_usage": 3}}, "Input should be a valid boolean",
+         "body.stream_options.include_usage"),
+        ({"priority": "high"}, "unable to parse string as an integer", "body.priority"),
+        ({"priority": 1.5}, "fractional part", "body.priority"),
+        ({"priority": 2**63}, "Input should be less than or equal to 9223372036854775807",
+         "body.priority"),
+        ({"cache_salt": ""}, "String should have at least 1 character", "body.cache_salt"),
+        ({"cache_salt": "x" * 1025}, "String should have at most 1024 characters",
+         "body.cache_salt"),
+        ({"kv_transfer_params": [1]}, "Input should be a valid dictionary",
+         "body.kv_transfer_params"),
+        ({"output_mode": "bytes"}, "Input should be 'tokens' or 'text'", "body.output_mode"),
+        ({"features": "x"}, "Input should be a valid dictionary or instance of "
+         "MultiModalFeatures", "body.features"),
+        ({"output_mode": "text", "sampling_params": {"detokenize": False}},
+         "output_mode='text' requires sampling_params.detokenize to be true", "body"),
     ],
 )  # fmt: skip
 def test_bad_top_level_fields(fields: dict[str, Any], fragment: str, param: str) -> None:
+    message, got = invalid(raw(**fields))
+    assert fragment in message
+    assert got == param
+
+
+@pytest.mark.parametrize(
+    ("params", "message", "param"),
+    [
+        # vLLM SamplingParams' own wording (_verify_args), and its `parameter` when it has one.
+        ({"n": 0}, "n must be at least 1, got 0.", None),
+        ({"n": 16385}, "n must be at most 16384, got 16385. To increase this limit, set the "
+         "VLLM_MAX_N_SEQUENCES environment variable.", None),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5.", None),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3.0.", None),
+        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0.",
+         None),
+        ({"temperature": -0.1}, "temperature must be non-negative, got -0.1.", "temperature"),
+        ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5.", "temperature"),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0.", "top_p"),
+        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2.", None),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5.", None),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0.", "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1.", None),
+        ({"max_tokens": 2, "min_tokens": 3},
+         "min_tokens must be less than or equal to max_tokens=2, got 3.", None),
+        ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2.", "logprobs"),
+        ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5.",
+         "prompt_logprobs"),
+        ({"stream_interval": 0}, "stream_interval must be at least 1, got 0.", "stream_interval"),
+        ({"stop": [""]}, "stop cannot contain an empty string.", None),
+        ({"stop": ["x"], "detokenize": False}, "stop strings are only supported when "
+         "detokenize is True. Set detokenize=True to use stop.", None),
+        ({"temperature": 0, "n": 2}, "n must be 1 when using greedy sampling, got 2.", None),
+    ],
+)  # fmt: skip
+def test_bad_sampling_values_get_vllms_words(
+    params: dict[str, Any], message: str, param: str | None
+) -> None:
+    text, got = invalid(raw(sampling_params=params))
+    assert text.startswith("2 validation errors:\n  {'type': 'is_instance_of', 'loc': ('body', "
+                           "'sampling_params', 'is-instance[SamplingParams]')")  # fmt: skip
+    where = "'loc': ('body', 'sampling_params', 'function-after[_validate_msgspec(), typed-dict]')"
+    assert f"{where}, 'msg': 'Value error, {message}" in text or (
+        f"{where}, 'msg': \"Value error, {message}" in text
+    )
+    # The VLLMValidationError's parameter, else the cleaned location of the first error.
+    assert got == (param or "body.sampling_params")
+
+
+def test_structured_outputs_take_one_constraint() -> None:
+    text, _ = invalid(raw(sampling_params={"structured_outputs": {"regex": "a", "choice": ["b"]}}))
+    assert (
+        "typed-dict]', 'structured_outputs'), 'msg': \"Value error, You can only use one kind "
+        "of structured outputs constraint but multiple are specified: {'json': None, "
+        "'regex': 'a', 'choice': ['b'],"
+    ) in text
+    assert sp(structured_outputs={"regex": "a+"}).items[0].engine["sampling_params"] == {
+        "structured_outputs": {"regex": "a+"}
+    }
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment", "where"),
+    [
+        ({"temperature": "hot"}, "unable to parse string as a number", "'temperature'"),
+        ({"max_tokens": 1.5}, "fractional part", "'max_tokens'"),
+        ({"ignore_eos": "maybe"}, "Input should be a valid boolean", "'ignore_eos'"),
+        ({"stop": 5}, "Input should be a valid string", "'stop', 'str'"),
+        ({"logit_bias": {"x": 1}}, "unable to parse string as an integer",
+         "'logit_bias', 'x', '[key]'"),
+        ({"stop_token_ids": 5}, "Input should be a valid list", "'stop_token_ids'"),
+        ({"output_kind": 7}, "Input should be 0, 1 or 2", "'output_kind'"),
+    ],
+)  # fmt: skip
+def test_badly_typed_sampling_params(params: dict[str, Any], fragment: str, where: str) -> None:
+    text, param = invalid(raw(sampling_params=params))
+    assert fragment in text
+    assert f"'function-after[_validate_msgspec(), typed-dict]', {where}" in text
+    # The first error is the union's is-instance branch: vLLM names its location.
+    assert param == "body.sampling_params"
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        # pydantic's lax mode, which vLLM's validation is: these are accepted, not refused.
+        ({"max_tokens": "5"}, 5),
+        ({"max_tokens": 5.0}, 5),
+        ({"max_tokens": None}, None),
+    ],
+)
+def test_lax_values_are_coerced_as_vllm_coerces_them(
+    params: dict[str, Any], expected: int | None
+) -> None:
+    assert sp(**params).items[0].sampling.max_tokens == expected
+
+
+def test_vllm_post_init_normalisation() -> None:
+    s = sp(temperature=0.001, seed=-1, stop_token_ids=[5, 4, 5], stop=[]).items[0].sampling
+    assert s.temperature == 0.01  # vLLM raises tiny temperatures to 1e-2
+    assert s.seed is None  # seed -1 means unseeded
+    assert s.stop_token_ids == [5, 4]  # deduplicated, order kept
+    greedy = sp(temperature=0, top_p=0.5, top_k=3, min_p=0.2).items[0].sampling
+    assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, None, 0.0)
+
+
+def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """sglang-router's `return_bytes`, a typo in sampling_params, a future stream option:
+    vLLM drops what it does not know (GenerateRequest and SamplingParams silently,
+    StreamOptions with a log line); so does this format, logging each name once."""
+    data = raw(
+        return_bytes=True,
+        zz_top_level_probe=1,
+        sampling_params={"zz_sampling_probe": 1, "max_tokens": 3},
+        stream_options={"zz_stream_probe": True},
+    )
+    with caplog.at_level("WARNING", logger="genmesh.formats.vllm.request"):
+        env = bind_raw(data).items[0]
+        bind_raw(data)
+    assert env.sampling.max_tokens == 3
+    assert env.engine["zz_top_level_probe"] == 1  # still forwarded to vLLM-speaking engines
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    for name in ("zz_top_level_probe", "sampling_params.zz_sampling_probe",
+                 "stream_options.zz_stream_probe"):  # fmt: skip
+        assert logged.count(name) == 1
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"features": None, "content_parts": [], "ec_transfer_params": {}},
+        {"output_mode": "tokens", "return_token_ids": False, "reasoning_ended": True},
+        {"token_offsets": [[0, 1], [1, 2], [2, 3]], "assistant_tokens_mask": [0, 1, 1]},
+        {"reasoning_parser_kwargs": {"chat_template_kwargs": {"enable_thinking": False}}},
+        {"sampling_params": {"stop": None, "bad_words": [], "logprob_token_ids": None,
+                             "thinking_token_budget": -1, "stream_interval": 4,
+                             "repetition_detection": {"max_pattern_size": 0},
+                             "flat_logprobs": True, "skip_reading_prefix_cache": True,
+                             "routed_experts_prompt_start": 2}},
+    ],
+)  # fmt: skip
+def test_fields_vllm_accepts_are_accepted_at_their_defaults(fields: dict[str, Any]) -> None:
+    bind(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment", "param"),
+    [
+        ({"features": {"mm_hashes": {}, "mm_placeholders": {}}}, "multimodal", "features"),
+        ({"content_parts": [{"type": "image_url"}]}, "multimodal", "features"),
+        ({"ec_transfer_params": {"a": 1}}, "encoder-cache", "ec_transfer_params"),
+        ({"output_mode": "text"}, "output_mode 'text' is not supported", "output_mode"),
+        ({"sampling_params": {"stop": "x"}}, "stop strings need a tokenizer", SP + "stop"),
+        ({"sampling_params": {"bad_words": ["x"]}}, "bad_words need a tokenizer",
+         SP + "bad_words"),
+        ({"sampling_params": {"logprobs": -1}}, "logprobs=-1 (the whole vocabulary)",
+         SP + "logprobs"),
+        ({"sampling_params": {"logprob_token_ids": [1]}}, "logprob_token_ids is not supported",
+         SP + "logprob_token_ids"),
+        ({"sampling_params": {"thinking_token_budget": 10}},
+         "thinking_token_budget is set but reasoning_config is not configured",
+         "thinking_token_budget"),
+        ({"sampling_params": {"n": MAX_N + 1}},
+         f"sampling_params.n must be at most the server's max_num_seqs ({MAX_N}), got "
+         f"{MAX_N + 1}.", None),
+        ({"token_ids": [2**31]}, "Token id 2147483648 is out of vocabulary", "token_ids.0"),
+        ({"sampling_params": {"stop_token_ids": [-1]}},
+         "token_id(s) [-1] in stop_token_ids contain out-of-vocab token ids.",
+         SP + "stop_token_ids"),
+        ({"sampling_params": {"allowed_token_ids": []}},
+         "allowed_token_ids is not None and empty!", "allowed_token_ids"),
+    ],
+)  # fmt: skip
+def test_what_this_server_cannot_do_is_refused_by_value(
+    fields: dict[str, Any], fragment: str, param: str | None
+) -> None:
     exc = rejected(raw(**fields))
     assert fragment in exc.message
     assert exc.body["error"]["param"] == param
 
 
+def test_fanned_out_seeds_must_fit_the_bus() -> None:
+    assert [e.sampling.seed for e in sp(n=2, seed=2**64 - 2).items] == [2**64 - 2, 2**64 - 1]
+    exc = rejected(raw(sampling_params={"n": 3, "seed": 2**64 - 2}))
+    assert exc.message == f"seed must be in [-2**63, 2**64 - n], got {2**64 - 2}."
+    assert exc.body["error"]["param"] == "sampling_params.seed"
+    assert "does not fit in 64 bits" in rejected(raw(sampling_params={"seed": 2**64})).message
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"priority": 2**64}, "priority"),
         (
             {"sampling_params": {"extra_args": {"a": [1, -(2**63) - 1]}}},
             "sampling_params.extra_args.a[1]",
@@ -468,77 +718,103 @@ def test_integers_the_bus_cannot_carry_are_refused(fields: dict[str, Any], param
     assert exc.body["error"]["param"] == param
 
 
-def test_missing_token_ids_and_sampling_params() -> None:
-    assert "token_ids: Field required" in rejected(b'{"sampling_params": {}}').message
-    assert "sampling_params: Field required" in rejected(b'{"token_ids": [1]}').message
+# ------------------------------------------------------------------ engine limits
+# newest vLLM's tokens serving: an omitted max_tokens is `get_max_tokens` (the room left,
+# capped by the generation config's max_new_tokens); a sent one beyond the room is a 400.
+
+CTX = 10
 
 
-SP = "sampling_params."
+def catalog(**defaults: float) -> EngineCatalog:
+    return EngineCatalog([EngineInfo(model="m", context_length=CTX, sampling_defaults=defaults)])
+
+
+def bind_with(engines: EngineCatalog, prompt: int, **params: Any) -> Bound:
+    body = {"token_ids": list(range(1, prompt + 1)), "sampling_params": params}
+    return FORMAT.bind(body, JSON, engines)
+
+
+def refused_with(engines: EngineCatalog, prompt: int, **params: Any) -> RequestRejected:
+    with pytest.raises(RequestRejected) as info:
+        bind_with(engines, prompt, **params)
+    assert info.value.body["error"]["type"] == "BadRequestError"
+    return info.value
+
+
+def test_omitted_max_tokens_is_the_room_left() -> None:
+    assert bind_with(catalog(), 3).items[0].sampling.max_tokens == 7
+    assert bind_with(catalog(), 3, max_tokens=None).items[0].sampling.max_tokens == 7
+
+
+def test_omitted_max_tokens_is_capped_by_the_generation_config() -> None:
+    assert bind_with(catalog(max_new_tokens=4), 3).items[0].sampling.max_tokens == 4
+    assert bind_with(catalog(max_new_tokens=40), 3).items[0].sampling.max_tokens == 7
+    # A sent value is the client's, the generation config notwithstanding.
+    assert bind_with(catalog(max_new_tokens=4), 3, max_tokens=6).items[0].sampling.max_tokens == 6
+    # Other generation-config defaults are not applied by the tokens route (it builds
+    # SamplingParams from the body alone).
+    s = bind_with(catalog(temperature=0.3, top_p=0.5), 3).items[0].sampling
+    assert (s.temperature, s.top_p) == (1.0, 1.0)
+
+
+def test_max_tokens_that_fit_are_kept() -> None:
+    assert bind_with(catalog(), 3, max_tokens=7).items[0].sampling.max_tokens == 7
+
+
+def test_max_tokens_beyond_the_room_are_refused_not_capped() -> None:
+    exc = refused_with(catalog(), 3, max_tokens=8)
+    assert exc.message == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 8. This model's maximum "
+        "context length is 10 tokens and your request has 3 input tokens (8 > 10 - 3)."
+    )
+    assert exc.body["error"]["param"] == "max_tokens"
+    # The overflow that once killed vLLM's engine (prompt + max_tokens past int32).
+    assert "is too large: 2147483647" in refused_with(catalog(), 3, max_tokens=2**31 - 1).message
+
+
+def test_prompts_longer_than_the_context() -> None:
+    assert refused_with(catalog(), 11).message == (
+        "Input length (11) exceeds model's maximum context length (10)."
+    )
+    assert refused_with(catalog(), 11, max_tokens=1).message == (
+        "The decoder prompt (length 11) is longer than the maximum model length of 10. "
+        "Make sure that `max_model_len` is no smaller than the number of text tokens."
+    )
+    assert refused_with(catalog(), 10).message == (
+        "The decoder prompt (length 10) plus the number of requested output tokens (at "
+        "least 1) is longer than the maximum model length of 10. Make sure that "
+        "`max_model_len` is no smaller than the number of text tokens (prompt + requested "
+        "output tokens)."
+    )
+
+
+def test_nothing_is_checked_when_the_catalog_knows_nothing_of_the_model() -> None:
+    assert bind_with(NO_ENGINES, 50, max_tokens=10**6).items[0].sampling.max_tokens == 10**6
+    assert bind_with(NO_ENGINES, 50).items[0].sampling.max_tokens is None
+    body = {"token_ids": [1] * 50, "sampling_params": {"max_tokens": 10**6}, "model": "other"}
+    assert FORMAT.bind(body, JSON, catalog()).items[0].sampling.max_tokens == 10**6
+
+
+class _IdentityCodec:
+    name = "identity"
+    joiners: dict[str, Any] = {}
+
+    def decode_request(self, request: Any) -> Any:
+        return request
+
+    def encode_record(self, record: Any) -> Any:
+        return record
 
 
 @pytest.mark.parametrize(
-    ("params", "message"),
-    [
-        # vLLM SamplingParams' own wording.
-        ({"n": 0}, "n must be at least 1, got 0."),
-        ({"n": MAX_N + 1}, f"n must be at most {MAX_N}, got {MAX_N + 1}."),
-        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5."),
-        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3.0."),
-        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0."),
-        ({"temperature": -0.1}, "temperature must be non-negative, got -0.1."),
-        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0."),
-        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5."),
-        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2."),
-        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5."),
-        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
-        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1."),
-        (
-            {"max_tokens": 2, "min_tokens": 3},
-            "min_tokens must be less than or equal to max_tokens=2, got 3.",
-        ),
-        ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2."),
-        ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5."),
-        ({"logprobs": -1}, "logprobs=-1 (the whole vocabulary) is not supported"),
-        ({"seed": 2**64}, "seed must be in"),
-        ({"seed": -(2**63) - 1}, "seed must be in"),
-        ({"seed": 2**64 - 2, "n": 3}, "seed must be in"),  # seed + i must fit
-        ({"stop": ["x"]}, "stop strings need a tokenizer"),
-        ({"stop": "x"}, "stop strings need a tokenizer"),
-        ({"stop": 5}, "stop: Input should be a string or a list of strings"),
-        ({"stop": [1]}, "stop: Input should be a string or a list of strings"),
-        ({"bad_words": ["x"]}, "bad_words need a tokenizer"),
-        ({"logits_processors": ["a"]}, "logits processors are not enabled"),
-        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens is not supported"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids: Input should be a list of non-negative"),
-        ({"stop_token_ids": 5}, "stop_token_ids: Input should be a list of non-negative"),
-        ({"allowed_token_ids": ["a"]}, "allowed_token_ids: Input should be a list"),
-        ({"logit_bias": {"x": 1}}, "logit_bias: keys must be token ids"),
-        ({"logit_bias": {"5": "a"}}, "logit_bias: values must be finite numbers"),
-        ({"logit_bias": [1]}, "logit_bias: Input should be a valid dictionary"),
-        ({"structured_outputs": "json"}, "structured_outputs: Input should be a valid dictionary"),
-        ({"extra_args": []}, "extra_args: Input should be a valid dictionary"),
-        ({"temperature": "hot"}, "temperature: Input should be a valid number"),
-        ({"temperature": True}, "temperature: Input should be a valid number"),
-        ({"max_tokens": 1.5}, "max_tokens: Input should be a valid integer"),
-        ({"n": True}, "n: Input should be a valid integer"),
-        ({"ignore_eos": "yes"}, "ignore_eos: Input should be a valid boolean"),
-        ({"detokenize": 1}, "detokenize: Input should be a valid boolean"),
-        ({"max_new_tokens": 5}, "unsupported sampling_params field(s): max_new_tokens"),
-        ({"zz": 1, "aa": 2}, "unsupported sampling_params field(s): aa, zz"),
-    ],
+    "fmt", [FORMAT, CodecFormat(VllmFormat(), _IdentityCodec())], ids=["vllm", "vllm+codec"]
 )
-def test_bad_sampling_params(params: dict[str, Any], message: str) -> None:
-    exc = rejected(raw(sampling_params=params))
-    assert message in exc.message
-    param = exc.body["error"]["param"]
-    assert param == "sampling_params" or param.startswith(SP)
-
-
-def test_non_finite_numbers_are_refused() -> None:
-    exc = rejected(b'{"token_ids": [1], "sampling_params": {"temperature": NaN}}')
-    assert "temperature must be a finite number" in exc.message
-    exc = rejected(b'{"token_ids": [1], "sampling_params": {"top_p": Infinity}}')
-    assert "top_p must be a finite number" in exc.message
+def test_a_generated_public_id_is_a_uuid4_hex(fmt: Any) -> None:
+    ids = {fmt.new_public_id() for _ in range(50)}
+    assert len(ids) == 50
+    for public_id in ids:
+        assert re.fullmatch(r"[0-9a-f]{32}", public_id)
+        assert uuid.UUID(hex=public_id).version == 4
 
 
 # ------------------------------------------------------------------------ rendering
@@ -1026,3 +1302,32 @@ def test_folding_is_independent_of_how_tokens_are_split_into_frames(
         assert chunks[-1]["usage"] == whole["usage"]
         assert data[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert whole["usage"]["completion_tokens"] == len(per_token)
+
+
+def test_the_ignored_names_remembered_are_bounded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients choose the field names: the set of names logged once cannot grow forever."""
+    from genmesh.formats.vllm import request as vllm_request
+
+    monkeypatch.setattr(vllm_request, "_ignored_logged", set())
+    monkeypatch.setattr(vllm_request, "_MAX_REMEMBERED", 3)
+    with caplog.at_level("WARNING", logger="genmesh.formats.vllm.request"):
+        for i in range(10):
+            bind_raw(raw(**{f"zz_bounded_{i}": 1}))
+        bind_raw(raw(zz_bounded_9=1))
+    assert len(vllm_request._ignored_logged) <= 3 + 1  # one request's names past the bound
+    # Every name was logged at least once; a name past the bound is logged again.
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert all(f"zz_bounded_{i}" in logged for i in range(10))
+    assert logged.count("zz_bounded_9") == 2
+
+
+def test_error_messages_are_sanitised_as_vllm_does() -> None:
+    """vLLM's `sanitize_message` runs on every error message: file paths (even in the
+    client's own values, shown in a validation error's `input`) become `<path>`."""
+    text, _ = invalid(b'{"sampling_params": {}, "model": "/home/me/models/llama"}')
+    assert "'msg': 'Field required'" in text
+    assert "/home/me" not in text
+    assert "'model': '<path>'" in text
+    assert error("bad <object at 0x7f3a2b>")["error"]["message"] == "bad <object>"

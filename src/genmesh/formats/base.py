@@ -25,6 +25,7 @@ from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import MeshError
 from genmesh.shared.frames import OutputFrame
+from genmesh.shared.ids import new_public_id
 
 Record = dict[str, Any]
 
@@ -114,6 +115,11 @@ class GenerateFormat(ABC):
         """Validate a parsed request; raise RequestRejected with a native error body.
         `engines` are the facts the workers advertise (context length, sampling defaults),
         for the defaults and checks the real server applies; it may know nothing."""
+
+    def new_public_id(self) -> str:
+        """The public ID of a request whose client sent none, minted the way the real
+        server mints its request IDs (shown in the response and `X-Request-Id`)."""
+        return new_public_id()
 
     @abstractmethod
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange: ...

@@ -97,6 +97,9 @@ class CodecFormat(GenerateFormat):
             raise RequestRejected(400, self.inner.error_body(400, message), message) from None
         return self.inner.bind(decoded, headers, engines)
 
+    def new_public_id(self) -> str:
+        return self.inner.new_public_id()
+
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange:
         return _CodecExchange(self.inner.exchange(bound, public_id, received_at), self.codec)
 

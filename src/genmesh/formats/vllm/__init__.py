@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,11 @@ class VllmFormat(GenerateFormat):
         self, body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES
     ) -> Bound:
         return request.bind(body, headers, engines)
+
+    def new_public_id(self) -> str:
+        """vLLM's `random_uuid()`: a UUID4 as 32 hex digits (the generate route's default
+        `request_id`, which the response shows as `generate-tokens-<id>`)."""
+        return uuid.uuid4().hex
 
     def exchange(self, bound: Bound, public_id: str, received_at: float) -> Exchange:
         assert isinstance(bound.options, request.VllmOptions)

@@ -2,7 +2,7 @@
 
 The server behaves like vLLM started with `--tokens-only` (reference `engine-apis.md` §B):
 token ids in, token ids out, no tokenizer, so stop strings, `bad_words` and multimodal
-`features` are refused with 400.
+`features` are refused with 400 (when sent non-empty).
 
 IDs. The client's ID is the trimmed, non-empty `X-Request-Id` header, else the body's
 `request_id` (the header wins, as in vLLM and Dynamo); it travels only as `client_id` and
@@ -13,8 +13,9 @@ earliest v0.11 builds returned a bare random uuid. The `X-Request-Id` response h
 carries the bare ID.
 
 Defaults are vLLM's `SamplingParams` defaults, except `max_tokens`: an omitted
-`max_tokens` is sent as None, so the engine uses the room left in its context, as newer
-vLLM does (older builds silently used 16).
+`max_tokens` is the room left in the context, capped by the generation config's
+`max_new_tokens` (newest vLLM's `get_max_tokens`; older builds silently used 16). When the
+engine catalog knows nothing of the model it is sent as None and the engine decides.
 
 `n > 1` fans out into one envelope per sample with `n = 1` each; with a `seed`, sample `i`
 gets `seed + i`, which is what vLLM V1's parallel sampling gives its child requests.
@@ -26,105 +27,64 @@ handles; a fanned-out sample's `sampling_params` say `n = 1` and carry its own s
 `kv_transfer_params` stays at the top level: an adapter for vLLM v0.11-v0.18, which reads
 it only from `sampling_params.extra_args`, copies it there.
 
-Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`; messages
-reuse `SamplingParams`' wording where vLLM has one.
+Validation is vLLM's: the body is validated by the pydantic models in `schema.py`, and a
+failure is answered as vLLM's RequestValidationError handler answers it (every pydantic
+error listed, `param` = the first error's dotted location, e.g. `body.token_ids`). Unknown
+fields, top level or in `sampling_params` or `stream_options`, are ignored as vLLM ignores
+them (and logged once per name). What vLLM accepts but this server cannot deliver is
+refused afterwards, by its value only.
+
+Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from pydantic import ValidationError
+
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import oversized_int
-from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
+from genmesh.formats.vllm.schema import (
+    SAMPLING_FIELDS,
+    TOP_LEVEL_FIELDS,
+    GenerateRequest,
+    SamplingParams,
+    VLLMValidationError,
+)
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog, EngineInfo
 from genmesh.shared.envelope import (
     MAX_TOKEN_ID,
     Envelope,
     OutputOptions,
     Routing,
     Sampling,
-    finite_float,
 )
 
 FORMAT = "vllm"
 RESPONSE_ID_PREFIX = "generate-tokens-"
 # vLLM's default `max_num_seqs`; also a bound on how many envelopes one request fans into.
 MAX_N = 256
-MAX_CACHE_SALT = 1024
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_UINT64_MAX = 2**64 - 1
 _UINT32_MAX = 2**32 - 1
-
-# Fields of `GenerateRequest` this server understands.
-_CORE = (
-    "request_id",
-    "token_ids",
-    "sampling_params",
-    "model",
-    "stream",
-    "stream_options",
-    "cache_salt",
-    "priority",
-    "kv_transfer_params",
-    "output_mode",
-)
-# Fields a tokens-only, text-only-model server cannot honour, with the reason it gives.
-_UNSUPPORTED = {
-    "features": "multimodal inputs (features) are not supported by this server",
-    "ec_transfer_params": "encoder-cache transfer (ec_transfer_params) is not supported "
-    "by this server",
-}
-KNOWN_FIELDS = frozenset((*_CORE, *_UNSUPPORTED))
+_UINT64_MAX = 2**64 - 1
+# The `type` vLLM's RequestValidationError handler writes (HTTPStatus.BAD_REQUEST.phrase);
+# errors made by the serving code say "BadRequestError" instead.
+VALIDATION_ERROR_TYPE = "Bad Request"
 # Fields the mesh handles itself: they never reach an engine's native payload.
 _NOT_FORWARDED = frozenset(("request_id", "token_ids", "stream", "stream_options"))
 
-_INT_PARAMS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
-_NUMBER_PARAMS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_BOOL_PARAMS = (
-    "ignore_eos",
-    "detokenize",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "flat_logprobs",
-    "skip_reading_prefix_cache",
-    "return_sampling_mask",
-    "return_sampling_mask_logprobs",
-)
-_DICT_PARAMS = ("structured_outputs", "extra_args", "logit_bias")
-# Accepted; the engine adapter sets it (vLLM's server does too: DELTA for streams).
-_SERVER_OWNED = ("output_kind",)
-_UNSUPPORTED_PARAMS = {
-    "logits_processors": "custom logits processors are not enabled on this server",
-    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported by this server; "
-    "truncate token_ids yourself",
-}
-KNOWN_SAMPLING_PARAMS = frozenset(
-    (
-        *_INT_PARAMS,
-        *_NUMBER_PARAMS,
-        *_BOOL_PARAMS,
-        *_DICT_PARAMS,
-        *_SERVER_OWNED,
-        *_UNSUPPORTED_PARAMS,
-        "stop",
-        "stop_token_ids",
-        "bad_words",
-        "allowed_token_ids",
-    )
-)
+log = logging.getLogger(__name__)
+# Ignored field names already logged. Clients choose the names, so the set is bounded:
+# past the bound, new names are still logged (once per request) but not remembered.
+_ignored_logged: set[str] = set()
+_MAX_REMEMBERED = 1024
 
 
 def error_type(status: int) -> str:
@@ -140,11 +100,28 @@ def error_type(status: int) -> str:
     return name if name.endswith("Error") else name + "Error"
 
 
-def error(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
+_TRACEBACK_LINE = re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?')
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's `sanitize_message`, applied to every error message it sends: no memory
+    addresses, traceback lines or file paths (so also none from a client's own values)."""
+    message = _ADDRESS.sub(">", message)
+    message = _TRACEBACK_LINE.sub("", message)
+    message = _SYSTEM_PATH.sub("<path>", message)
+    return _FILE_PATH.sub("<path>", message).strip()
+
+
+def error(
+    message: str, status: int = 400, param: str | None = None, type_: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
-            "type": error_type(status),
+            "message": sanitize_message(message),
+            "type": type_ or error_type(status),
             "param": param,
             "code": status,
         }
@@ -152,7 +129,43 @@ def error(message: str, status: int = 400, param: str | None = None) -> dict[str
 
 
 def _reject(message: str, param: str | None = None, status: int = 400) -> RequestRejected:
-    return RequestRejected(status, error(message, status, param), message)
+    body = error(message, status, param)
+    return RequestRejected(status, body, body["error"]["message"])
+
+
+def _invalid(errors: list[Any], param: str | None) -> RequestRejected:
+    """vLLM's RequestValidationError answer: every error listed, as FastAPI reports it."""
+    count = len(errors)
+    message = f"{count} validation {'error' if count == 1 else 'errors'}:\n"
+    message = (message + "".join(f"  {err}\n" for err in errors)).rstrip()
+    body = error(message, 400, param, VALIDATION_ERROR_TYPE)
+    return RequestRejected(400, body, body["error"]["message"])
+
+
+# pydantic-core's wrapper/union-branch markers, which vLLM drops from `param` paths.
+_INTERNAL_LOC = re.compile(r"[\[\]{}()]")
+
+
+def _param_of(loc: tuple[Any, ...]) -> str:
+    """vLLM's `clean_loc_for_param`: the dotted location without pydantic's markers."""
+    parts = [str(p) for p in loc if not _INTERNAL_LOC.search(str(p))]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def _validation_rejected(exc: ValidationError) -> RequestRejected:
+    # FastAPI reports a body model's errors under ("body", ...), without pydantic's URLs.
+    errors: list[dict[str, Any]] = [
+        {**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)
+    ]
+    param = None
+    for err in errors:
+        ctx_error = err.get("ctx", {}).get("error")
+        if isinstance(ctx_error, VLLMValidationError):
+            param = ctx_error.parameter
+            break
+    if param is None and errors:
+        param = _param_of(errors[0]["loc"])
+    return _invalid(errors, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,293 +179,60 @@ class VllmOptions:
     prompt_logprobs: int | None
     # The model the client named, for vLLM's not-found message.
     model: str | None
-    # `stream_options.include_usage` (True once stream_options is sent) and
-    # `continuous_usage_stats` (only together with include_usage, as in vLLM).
+    # vLLM's `should_include_usage(stream_options)`.
     include_usage: bool
     continuous_usage: bool
+    # `return_token_ids`: the prompt token ids in the unary body and the first SSE chunk.
+    return_token_ids: bool = False
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@dataclass(frozen=True, slots=True)
+class _Unparsed:
+    """A body that is not JSON. FastAPI reports that only once it has checked the
+    content type (when one is sent), so `bind` raises it, not `parse`."""
 
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+    rejected: RequestRejected
 
 
 def parse(body: bytes) -> Any:
+    if not body:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        return _Unparsed(_invalid([missing], "body"))
     try:
         return json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise _reject(f"JSON decode error: {exc}") from None
+    except json.JSONDecodeError as exc:
+        json_error = {
+            "type": "json_invalid",
+            "loc": ("body", exc.pos),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": exc.msg},
+        }
+        return _Unparsed(_invalid([json_error], f"body.{exc.pos}"))
+    except (ValueError, RecursionError):  # not UTF-8, or nested too deep
+        message = "There was an error parsing the body"
+        return _Unparsed(RequestRejected(400, error(message, 400, None, "Bad Request"), message))
 
 
 def _check_content_type(headers: Mapping[str, str]) -> None:
     """vLLM's `validate_json_request`: only `application/json` bodies."""
-    content_type = _header(headers, "content-type") or ""
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
-        raise _reject("Unsupported Media Type: Only 'application/json' is allowed")
+    content_type = (_header(headers, "content-type") or "").lower()
+    if content_type.split(";", 1)[0] != "application/json":
+        raise _invalid(["Unsupported Media Type: Only 'application/json' is allowed"], None)
 
 
-def _token_ids(body: Mapping[str, Any]) -> list[int]:
-    if "token_ids" not in body or body["token_ids"] is None:
-        raise _reject("token_ids: Field required", "token_ids")
-    ids = body["token_ids"]
-    if not isinstance(ids, list):
-        raise _reject(
-            f"token_ids: Input should be a valid list, got {_type_name(ids)}", "token_ids"
-        )
-    if not ids:
-        raise _reject("token_ids: List should have at least 1 item after validation, not 0",
-                      "token_ids")  # fmt: skip
-    for i, tid in enumerate(ids):
-        if not _is_int(tid):
-            raise _reject(
-                f"token_ids.{i}: Input should be a valid integer, got {tid!r:.40}", "token_ids"
-            )
-        if tid < 0:
-            raise _reject(f"token_ids.{i}: token ids must be non-negative, got {tid}", "token_ids")
-        if tid > MAX_TOKEN_ID:
-            raise _reject(f"token_ids.{i}: token id {tid} is out of range", "token_ids")
-    return ids
+def _log_ignored(kind: str, names: set[str]) -> None:
+    """vLLM drops fields it does not know; say so once per name and process."""
+    new = sorted(f"{kind}{name}" for name in names if f"{kind}{name}" not in _ignored_logged)
+    if new:
+        if len(_ignored_logged) < _MAX_REMEMBERED:
+            _ignored_logged.update(new)
+        log.warning("The following fields were present in the request but ignored: %s", new)
 
 
-def _int_param(sp: Mapping[str, Any], key: str) -> int | None:
-    value = sp.get(key)
-    if value is not None and not _is_int(value):
-        raise _reject(
-            f"sampling_params.{key}: Input should be a valid integer, got {value!r:.40}",
-            f"sampling_params.{key}",
-        )
-    return value
-
-
-def _number_param(sp: Mapping[str, Any], key: str) -> float | None:
-    value = sp.get(key)
-    if value is None:
-        return None
-    param = f"sampling_params.{key}"
-    if not _is_number(value):
-        raise _reject(
-            f"sampling_params.{key}: Input should be a valid number, got {value!r:.40}", param
-        )
-    number = finite_float(value)
-    if number is None:
-        raise _reject(f"{key} must be a finite number, got {value!r:.40}.", param)
-    return number
-
-
-def _bool_param(sp: Mapping[str, Any], key: str) -> bool | None:
-    value = sp.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise _reject(
-            f"sampling_params.{key}: Input should be a valid boolean, got {value!r:.40}",
-            f"sampling_params.{key}",
-        )
-    return value
-
-
-def _token_list_param(sp: Mapping[str, Any], key: str) -> list[int]:
-    value = sp.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value):
-        raise _reject(
-            f"sampling_params.{key}: Input should be a list of non-negative token ids",
-            f"sampling_params.{key}",
-        )
-    return value
-
-
-@dataclass(slots=True)
-class _Sampling:
-    """The validated sampling parameters of one request (before fan-out)."""
-
-    canonical: Sampling
-    n: int
-    logprobs: int | None
-    prompt_logprobs: int | None
-
-
-def _sampling(sp: Mapping[str, Any]) -> _Sampling:
-    unknown = sorted(set(sp) - KNOWN_SAMPLING_PARAMS)
-    if unknown:
-        raise _reject(
-            f"unsupported sampling_params field(s): {', '.join(unknown)} "
-            "(sampling_params take vLLM SamplingParams names)",
-            "sampling_params",
-        )
-    for key, reason in _UNSUPPORTED_PARAMS.items():
-        if sp.get(key) is not None:
-            raise _reject(reason, f"sampling_params.{key}")
-    ints = {key: _int_param(sp, key) for key in _INT_PARAMS}
-    numbers = {key: _number_param(sp, key) for key in _NUMBER_PARAMS}
-    bools = {key: _bool_param(sp, key) for key in _BOOL_PARAMS}
-    for key in _DICT_PARAMS:
-        value = sp.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise _reject(
-                f"sampling_params.{key}: Input should be a valid dictionary",
-                f"sampling_params.{key}",
-            )
-
-    n = 1 if ints["n"] is None else ints["n"]
-    if n < 1:
-        raise _reject(f"n must be at least 1, got {n}.", "sampling_params.n")
-    if n > MAX_N:
-        raise _reject(f"n must be at most {MAX_N}, got {n}.", "sampling_params.n")
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = numbers[key]
-        if value is not None and not -2.0 <= value <= 2.0:
-            raise _reject(f"{key} must be in [-2, 2], got {value}.", f"sampling_params.{key}")
-    repetition = numbers["repetition_penalty"]
-    if repetition is not None and repetition <= 0.0:
-        raise _reject(
-            f"repetition_penalty must be greater than zero, got {repetition}.",
-            "sampling_params.repetition_penalty",
-        )
-    temperature = numbers["temperature"]
-    if temperature is not None and temperature < 0.0:
-        raise _reject(
-            f"temperature must be non-negative, got {temperature}.",
-            "sampling_params.temperature",
-        )
-    top_p = numbers["top_p"]
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise _reject(f"top_p must be in (0, 1], got {top_p}.", "sampling_params.top_p")
-    top_k = ints["top_k"]
-    if top_k is not None and top_k < -1:
-        raise _reject(
-            f"top_k must be 0 (disable), or at least 1, got {top_k}.", "sampling_params.top_k"
-        )
-    min_p = numbers["min_p"]
-    if min_p is not None and not 0.0 <= min_p <= 1.0:
-        raise _reject(f"min_p must be in [0, 1], got {min_p}.", "sampling_params.min_p")
-    max_tokens = ints["max_tokens"]
-    if max_tokens is not None and max_tokens < 1:
-        raise _reject(
-            f"max_tokens must be at least 1, got {max_tokens}.", "sampling_params.max_tokens"
-        )
-    min_tokens = ints["min_tokens"] or 0
-    if min_tokens < 0:
-        raise _reject(
-            f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
-            "sampling_params.min_tokens",
-        )
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise _reject(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
-            "sampling_params.min_tokens",
-        )
-    for key in ("logprobs", "prompt_logprobs"):
-        value = ints[key]
-        if value is not None and value < -1:
-            raise _reject(
-                f"{key} must be non-negative or -1, got {value}.", f"sampling_params.{key}"
-            )
-        if value == -1:
-            raise _reject(
-                f"{key}=-1 (the whole vocabulary) is not supported by this server; ask for a top-k",
-                f"sampling_params.{key}",
-            )
-    seed = ints["seed"]
-    if seed is not None and not _INT64_MIN <= seed <= _UINT64_MAX - (n - 1):
-        raise _reject(f"seed must be in [-2**63, 2**64 - n], got {seed}.", "sampling_params.seed")
-    stop = sp.get("stop")
-    if not (stop is None or isinstance(stop, str) or (
-        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
-    )):  # fmt: skip
-        raise _reject(
-            "sampling_params.stop: Input should be a string or a list of strings",
-            "sampling_params.stop",
-        )
-    if stop:
-        raise _reject(
-            "stop strings need a tokenizer and this tokens-only server has none; "
-            "use stop_token_ids",
-            "sampling_params.stop",
-        )
-    bad_words = sp.get("bad_words")
-    if bad_words:
-        raise _reject(
-            "bad_words need a tokenizer and this tokens-only server has none",
-            "sampling_params.bad_words",
-        )
-    stop_ids = _token_list_param(sp, "stop_token_ids")
-    _token_list_param(sp, "allowed_token_ids")
-    _check_logit_bias(sp.get("logit_bias"))
-    canonical = Sampling(
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        # vLLM's SamplingParams defaults, so every engine samples as vLLM would.
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=None if top_k in (None, 0, -1) else top_k,
-        min_p=0.0 if min_p is None else min_p,
-        seed=seed,
-        stop_token_ids=list(stop_ids),
-        ignore_eos=bool(bools["ignore_eos"]),
-    )
-    return _Sampling(canonical, n, ints["logprobs"], ints["prompt_logprobs"])
-
-
-def _check_logit_bias(bias: Any) -> None:
-    if bias is None:
-        return
-    assert isinstance(bias, dict)
-    for key, value in bias.items():
-        if not re.fullmatch(r"[0-9]+", str(key)) or int(key) > MAX_TOKEN_ID:
-            raise _reject(
-                f"sampling_params.logit_bias: keys must be token ids, got {key!r:.40}",
-                "sampling_params.logit_bias",
-            )
-        if not _is_number(value) or finite_float(value) is None:
-            raise _reject(
-                f"sampling_params.logit_bias: values must be finite numbers, got {value!r:.40}",
-                "sampling_params.logit_bias",
-            )
-
-
-def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats) for a stream."""
-    options = body.get("stream_options")
-    if options is None:
-        return False, False
-    if not isinstance(options, dict):
-        raise _reject(
-            "stream_options: Input should be a valid dictionary or null", "stream_options"
-        )
-    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
-    if unknown:
-        raise _reject(f"unsupported stream_options field(s): {', '.join(unknown)}",
-                      "stream_options")  # fmt: skip
-    for key in ("include_usage", "continuous_usage_stats"):
-        value = options.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise _reject(
-                f"stream_options.{key}: Input should be a valid boolean, got {value!r:.40}",
-                f"stream_options.{key}",
-            )
-    include = options.get("include_usage")
-    include = True if include is None else include
-    return include, include and bool(options.get("continuous_usage_stats"))
-
-
-def _optional_str(body: Mapping[str, Any], key: str) -> str | None:
-    value = body.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _reject(f"{key}: Input should be a valid string, got {_type_name(value)}", key)
-    return value
-
-
-def _client_id(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+def _client_id(req: GenerateRequest, headers: Mapping[str, str]) -> str | None:
     """The trimmed, non-empty `X-Request-Id` header, else the body's `request_id`."""
-    body_id = _optional_str(body, "request_id")
-    return _header(headers, "x-request-id") or body_id or None
+    return _header(headers, "x-request-id") or req.request_id or None
 
 
 def _dp_rank(headers: Mapping[str, str]) -> int | None:
@@ -464,81 +244,182 @@ def _dp_rank(headers: Mapping[str, str]) -> int | None:
     return rank if rank <= _UINT32_MAX else None
 
 
-def _priority(body: Mapping[str, Any]) -> int | None:
+def _priority(value: int) -> int:
     """vLLM's priority (lower = more urgent) as a routing priority (higher = more
     urgent): negated, saturating at the bounds of a signed 64-bit integer."""
-    value = body.get("priority")
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise _reject(f"priority: Input should be a valid integer, got {value!r:.40}", "priority")
-    negated: int = -value
-    return max(_INT64_MIN, min(_INT64_MAX, negated))
+    return max(_INT64_MIN, min(_INT64_MAX, -value))
 
 
-def _cache_salt(body: Mapping[str, Any]) -> str | None:
-    salt = _optional_str(body, "cache_salt")
-    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT:
-        raise _reject(
-            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters",
-            "cache_salt",
+def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams) -> None:
+    """Values that ask for what a tokens-only, text-only mesh cannot deliver. Absent,
+    null or default values never get here: only a value that asks for the behaviour."""
+    if req.features is not None or req.content_parts:
+        raise _reject("multimodal inputs (features, content_parts) are not supported "
+                      "by this server", "features")  # fmt: skip
+    if req.ec_transfer_params:
+        raise _reject("encoder-cache transfer (ec_transfer_params) is not supported "
+                      "by this server", "ec_transfer_params")  # fmt: skip
+    if req.output_mode != "tokens":
+        raise _reject(f"output_mode {req.output_mode!r} is not supported: this tokens-only "
+                      "server answers in output_mode 'tokens'", "output_mode")  # fmt: skip
+    if sp.stop:
+        raise _reject("stop strings need a tokenizer and this tokens-only server has none; "
+                      "use stop_token_ids", "sampling_params.stop")  # fmt: skip
+    if sp.bad_words:
+        raise _reject("bad_words need a tokenizer and this tokens-only server has none",
+                      "sampling_params.bad_words")  # fmt: skip
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(sp, name) == -1:
+            raise _reject(f"{name}=-1 (the whole vocabulary) is not supported by this server; "
+                          "ask for a top-k", f"sampling_params.{name}")  # fmt: skip
+    for name in ("logprob_token_ids", "prompt_logprob_token_ids", "trace_decode_token_ids"):
+        if getattr(sp, name) is not None:
+            raise _reject(f"{name} is not supported by this server", f"sampling_params.{name}")
+    if sp.repetition_detection is not None and sp.repetition_detection.max_pattern_size > 0:
+        raise _reject("repetition_detection is not supported by this server",
+                      "sampling_params.repetition_detection")  # fmt: skip
+    if sp.thinking_token_budget is not None:
+        # vLLM's own answer when no reasoning parser is configured.
+        raise _reject("thinking_token_budget is set but reasoning_config is not configured. "
+                      "Please set --reasoning-parser and/or --reasoning-config to use "
+                      "thinking_token_budget.", "thinking_token_budget")  # fmt: skip
+
+
+def _check_token_ids(prompt: list[int], sp: SamplingParams) -> None:
+    """Token ids the mesh can carry. vLLM checks them against the vocabulary, which
+    the mesh does not know; it bounds them by the envelope's token id range."""
+    if max(prompt) > MAX_TOKEN_ID:  # max() first: the prompt is the long list
+        i = next(i for i, tid in enumerate(prompt) if tid > MAX_TOKEN_ID)
+        raise _reject(f"Token id {prompt[i]} is out of vocabulary", f"token_ids.{i}")
+    for name, ids in (
+        ("stop_token_ids", sp.stop_token_ids or []),
+        ("logit_bias", list(sp.logit_bias or {})),
+    ):
+        invalid = [t for t in ids if not 0 <= t <= MAX_TOKEN_ID]
+        if invalid:
+            raise _reject(f"token_id(s) {invalid} in {name} contain out-of-vocab token ids.",
+                          f"sampling_params.{name}")  # fmt: skip
+    if sp.allowed_token_ids is not None:
+        if not sp.allowed_token_ids:
+            raise _reject("allowed_token_ids is not None and empty!", "allowed_token_ids")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in sp.allowed_token_ids):
+            raise _reject("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+
+
+def _max_tokens(
+    sp: SamplingParams, provided: bool, prompt_len: int, info: EngineInfo | None
+) -> int | None:
+    """`max_tokens` as vLLM's tokens serving settles it, checked against the context.
+
+    Omitted: `get_max_tokens` - the room left in the context, capped by the generation
+    config's `max_new_tokens`. Sent: kept, but a value beyond the room is refused (the
+    engine once crashed on `prompt + max_tokens` overflowing; vllm-project/vllm#54175).
+    An explicit null is the room left, as vLLM's engine makes it. With nothing known of
+    the engine nothing is checked: None then lets the engine use its own room."""
+    context = info.context_length if info else None
+    default = info.sampling_defaults.get("max_new_tokens") if info else None
+    if context is None:
+        if provided:
+            return sp.max_tokens
+        return int(default) if isinstance(default, int | float) and default >= 1 else None
+    if prompt_len > context:
+        if provided:  # the engine's admission check
+            raise _reject(
+                f"The decoder prompt (length {prompt_len}) is longer than the maximum model "
+                f"length of {context}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens."
+            )
+        raise _reject(  # get_max_tokens
+            f"Input length ({prompt_len}) exceeds model's maximum context length ({context})."
         )
-    return salt
+    room = context - prompt_len
+    if provided and sp.max_tokens is not None and sp.max_tokens > room:
+        raise _reject(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {sp.max_tokens}. "
+            f"This model's maximum context length is {context} tokens and your request "
+            f"has {prompt_len} input tokens ({sp.max_tokens} > {context} - {prompt_len}).",
+            "max_tokens",
+        )
+    if room == 0:
+        raise _reject(
+            f"The decoder prompt (length {prompt_len}) plus the number of requested output "
+            f"tokens (at least 1) is longer than the maximum model length of {context}. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens "
+            "(prompt + requested output tokens)."
+        )
+    if provided and sp.max_tokens is not None:
+        return sp.max_tokens
+    if not provided and isinstance(default, int | float) and default >= 1:
+        return min(room, int(default))
+    return room
+
+
+def _canonical(sp: SamplingParams, max_tokens: int | None) -> Sampling:
+    """The mesh's sampling controls from vLLM's (already normalised) SamplingParams."""
+    return Sampling(
+        max_tokens=max_tokens,
+        min_tokens=sp.min_tokens,
+        temperature=float(sp.temperature),
+        top_p=float(sp.top_p),
+        top_k=None if sp.top_k in (0, -1) else sp.top_k,
+        min_p=float(sp.min_p),
+        seed=sp.seed,
+        stop_token_ids=list(sp.stop_token_ids or []),
+        ignore_eos=sp.ignore_eos,
+    )
 
 
 def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES) -> Bound:
+    if isinstance(body, _Unparsed) and _header(headers, "content-type") is None:
+        raise body.rejected  # FastAPI parses a body with no content type as JSON first
     _check_content_type(headers)
-    if not isinstance(body, dict):
-        raise _reject(f"request body must be a JSON object, got {_type_name(body)}")
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise _reject(f"unsupported top-level vLLM generate field(s): {', '.join(unknown)}")
-    for key, reason in _UNSUPPORTED.items():
-        if body.get(key) not in (None, {}, ""):
-            raise _reject(reason, key)
-    output_mode = body.get("output_mode")
-    if output_mode not in (None, "tokens"):
-        raise _reject(
-            f"output_mode {output_mode!r:.40} is not supported: this tokens-only server "
-            "answers in output_mode 'tokens'",
-            "output_mode",
-        )
+    if isinstance(body, _Unparsed):
+        raise body.rejected
+    try:
+        req = GenerateRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_rejected(exc) from None
+    raw_sp: dict[str, Any] = body["sampling_params"]  # a dict: validation passed
+    _log_ignored("", set(body) - TOP_LEVEL_FIELDS)
+    _log_ignored("sampling_params.", set(raw_sp) - SAMPLING_FIELDS)
+    if req.stream_options is not None and req.stream_options.model_extra:
+        _log_ignored("stream_options.", set(req.stream_options.model_extra))
 
-    prompt = _token_ids(body)
-    sp = body.get("sampling_params")
-    if sp is None:
-        raise _reject("sampling_params: Field required", "sampling_params")
-    if not isinstance(sp, dict):
-        raise _reject(
-            f"sampling_params: Input should be a valid dictionary, got {_type_name(sp)}",
-            "sampling_params",
-        )
-    sampling = _sampling(sp)
-    model = _optional_str(body, "model")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _reject(f"stream: Input should be a valid boolean, got {stream!r:.40}", "stream")
-    include_usage, continuous = _stream_options(body)
-    kv_transfer = body.get("kv_transfer_params")
-    if kv_transfer is not None and not isinstance(kv_transfer, dict):
-        raise _reject("kv_transfer_params: Input should be a valid dictionary or null",
-                      "kv_transfer_params")  # fmt: skip
-    routing = Routing(
-        dp_rank=_dp_rank(headers), priority=_priority(body), cache_salt=_cache_salt(body)
-    )
-    client_id = _client_id(body, headers)
-
-    k_out, k_prompt = sampling.logprobs, sampling.prompt_logprobs
+    sp = req.sampling_params
+    n = sp.n
+    if n > MAX_N:  # vLLM's serving check against --max-num-seqs
+        raise _reject(f"sampling_params.n must be at most the server's max_num_seqs "
+                      f"({MAX_N}), got {n}.")  # fmt: skip
+    if sp.seed is not None and n > 1 and sp.seed + n - 1 > _UINT64_MAX:
+        # Sample i gets seed + i (vLLM V1's child requests): each must fit the bus.
+        raise _reject(f"seed must be in [-2**63, 2**64 - n], got {sp.seed}.",
+                      "sampling_params.seed")  # fmt: skip
     # The native payload as the client sent it, minus what the mesh handles itself.
     native = {k: v for k, v in body.items() if k not in _NOT_FORWARDED}
     _check_wire_ints(native)
+    _refuse_what_this_server_cannot_do(req, sp)
+    prompt = req.token_ids
+    _check_token_ids(prompt, sp)
+    max_tokens = _max_tokens(sp, "max_tokens" in raw_sp, len(prompt), engines.get(req.model))
+
+    stream_options = req.stream_options
+    include_usage = stream_options is not None and bool(stream_options.include_usage)
+    continuous = include_usage and bool(stream_options and stream_options.continuous_usage_stats)
+    routing = Routing(
+        dp_rank=_dp_rank(headers),
+        priority=_priority(req.priority) if "priority" in body else None,
+        cache_salt=req.cache_salt,
+    )
+    client_id = _client_id(req, headers)
+    base = _canonical(sp, max_tokens)
+    k_out, k_prompt = sp.logprobs, sp.prompt_logprobs
     items: list[Envelope] = []
-    for index in range(sampling.n):
-        canonical = sampling.canonical.copy()
+    for index in range(n):
+        canonical = base.copy()
         item_native = dict(native)
-        if sampling.n > 1:
+        if n > 1:
             # Each sample asks its engine for one generation (the fan-out is the mesh's).
-            item_native["sampling_params"] = {**sp, "n": 1}
+            item_native["sampling_params"] = {**raw_sp, "n": 1}
             if canonical.seed is not None:
                 canonical.seed += index
                 item_native["sampling_params"]["seed"] = canonical.seed
@@ -554,7 +435,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
                 id="",
                 token_ids=prompt,
                 format=FORMAT,
-                model=model,
+                model=req.model,
                 client_id=client_id,
                 sampling=canonical,
                 output=output,
@@ -566,16 +447,17 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
         prompt_tokens=len(prompt),
         logprobs=k_out,
         prompt_logprobs=k_prompt,
-        model=model,
+        model=req.model,
         include_usage=include_usage,
         continuous_usage=continuous,
+        return_token_ids=bool(req.return_token_ids),
     )
     return Bound(
         items=items,
-        stream=bool(stream),
+        stream=bool(req.stream),
         client_id=client_id,
         options=options,
-        migration=migration_refusal(sp),
+        migration=migration_refusal(raw_sp),
     )
 
 

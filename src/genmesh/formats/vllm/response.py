@@ -8,6 +8,9 @@ token ids and ranks: `{"content": [{"token_id", "logprob", "rank", "top_logprobs
 vLLM's per-position logprob map: the sampled token first, then the best alternatives
 (so with greedy decoding it is exactly the top k). Logprobs are clamped to >= -9999.0.
 
+With `return_token_ids` the unary body, and the stream's first chunk, also carry
+`prompt_token_ids` (the newest builds' field; no multimodal placeholders here).
+
 SSE (which vLLM's older builds lack): one `{request_id, choices: [one choice with deltas],
 usage}` per frame; frames with no token, no finish reason and nothing else to carry are
 skipped, the terminal chunk is always sent. The chunk that carries the prompt logprobs
@@ -198,6 +201,8 @@ class VllmExchange(Exchange):
         self.request_id = RESPONSE_ID_PREFIX + public_id
         self.prompt = prompt
         self.items = [_Item() for _ in range(count)]
+        # `return_token_ids`: the stream's first chunk carries the prompt's token ids.
+        self.prompt_ids_pending = options.return_token_ids
 
     def render(self, index: int, frame: frames.OutputFrame) -> Record:
         opts = self.options
@@ -278,6 +283,9 @@ class VllmExchange(Exchange):
         }
         if "prompt_logprobs" in record:
             chunk["prompt_logprobs"] = record["prompt_logprobs"]
+        if self.prompt_ids_pending:
+            self.prompt_ids_pending = False
+            chunk["prompt_token_ids"] = self.prompt
         if isinstance(engine, dict):
             for key in TOP_LEVEL_METADATA:
                 if engine.get(key) is not None:
@@ -306,6 +314,8 @@ class VllmExchange(Exchange):
             else None,
             "kv_transfer_params": None,
         }
+        if self.options.return_token_ids:
+            out["prompt_token_ids"] = self.prompt
         for key in TOP_LEVEL_METADATA:
             for record in items:
                 engine = record.get("engine")

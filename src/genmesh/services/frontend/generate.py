@@ -24,7 +24,7 @@ from genmesh.services.frontend.observers import Observation, RequestInfo
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode, MeshError, http_status
-from genmesh.shared.ids import new_public_id, new_request_id
+from genmesh.shared.ids import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class GenerateHandler:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
 
-        public_id = bound.client_id or new_public_id()
+        public_id = bound.client_id or self.format.new_public_id()
         info.public_id, info.client_id, info.stream = public_id, bound.client_id, bound.stream
         headers = {"x-request-id": public_id}
         not_ready = self.state.backend.not_ready_reason()
