@@ -30,6 +30,8 @@ MERGE_RULES: dict[str, Rule] = {
     "meta_info.input_top_logprobs": Rule.PROMPT,
     "meta_info.output_token_logprobs": Rule.DELTA,
     "meta_info.output_top_logprobs": Rule.DELTA,
+    "meta_info.input_token_ids_logprobs": Rule.PROMPT,
+    "meta_info.output_token_ids_logprobs": Rule.DELTA,
     "meta_info.routed_experts": Rule.DELTA,
 }
 
@@ -82,6 +84,7 @@ class _Item:
         "cached_tokens",
         "completion_tokens",
         "input_logprobs",
+        "input_token_ids_logprobs",
         "input_top_logprobs",
         "opts",
         "prompt",
@@ -96,6 +99,7 @@ class _Item:
         self.cached_tokens = 0
         self.input_logprobs: list[Any] = []
         self.input_top_logprobs: list[Any] = []
+        self.input_token_ids_logprobs: list[Any] = []
 
 
 class SglangExchange(Exchange):
@@ -135,6 +139,11 @@ class SglangExchange(Exchange):
             if opts.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = item.input_top_logprobs
                 meta["output_top_logprobs"] = _top_triples(frame.get("top_logprobs") or [])
+            if opts.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = item.input_token_ids_logprobs
+                meta["output_token_ids_logprobs"] = _top_triples(
+                    frame.get("token_ids_logprobs") or []
+                )
         if opts.return_routed_experts:
             rows = frame.get("routed_experts") or []
             flat = [expert for row in rows for expert in row]
@@ -162,6 +171,9 @@ class SglangExchange(Exchange):
         tops = frame.get("prompt_top_logprobs")
         if tops is not None:
             item.input_top_logprobs = _top_triples(tops)
+        listed = frame.get("prompt_token_ids_logprobs")
+        if listed is not None:
+            item.input_token_ids_logprobs = _top_triples(listed)
 
     def sse(self, index: int, record: Record) -> list[Any]:
         # Batch and n > 1 streams interleave; each chunk says which item it belongs to.
