@@ -91,7 +91,8 @@ def test_defaults_are_verified_like_the_request_would_be() -> None:
 
 def test_a_default_repetition_penalty_pins_the_request_to_its_worker() -> None:
     bound = bind({"input_ids": [1]}, catalog(sampling_defaults={"repetition_penalty": 1.1}))
-    assert bound.migration is not None and "repetition_penalty" in bound.migration
+    assert bound.migration is not None
+    assert "repetition_penalty" in bound.migration
     assert bind({"input_ids": [1]}, catalog(sampling_defaults=DEFAULTS)).migration is None
 
 
