@@ -385,3 +385,20 @@ def test_the_sglang_adapter_sends_token_ids_logprob() -> None:
     env.engine = {"token_ids_logprob": [4]}
     env.format = "sglang"
     assert "token_ids_logprob" not in sglang_body(env, "rid-2")
+
+
+# ---------------------------------------------------------------- return_prompt_token_ids
+
+
+def test_return_prompt_token_ids_puts_the_prompt_on_every_record() -> None:
+    bound = bind({"input_ids": [[4, 5], [6]], "return_prompt_token_ids": True})
+    exchange = SglangFormat().exchange(bound, "pub", time.monotonic())
+    out = {"t": frames.OUT, "id": "r", "seq": 1, "tokens": [9]}
+    end = {"t": frames.END, "id": "r", "seq": 2, "tokens": [], "finish": {"reason": "length"},
+           "usage": {}}  # fmt: skip
+    records = [exchange.render(i, f) for i in (0, 1) for f in (out, end)]  # type: ignore[arg-type]
+    assert [r["prompt_token_ids"] for r in records] == [[4, 5], [4, 5], [6], [6]]
+    assert fold(records[:2], MERGE_RULES, JOINERS)["prompt_token_ids"] == [4, 5]
+    plain = bind({"input_ids": [4, 5]})
+    record = SglangFormat().exchange(plain, "p", time.monotonic()).render(0, out)  # type: ignore[arg-type]
+    assert "prompt_token_ids" not in record

@@ -144,6 +144,8 @@ class ItemOptions:
     return_routed_experts: bool = False
     # `token_ids_logprob` was asked for (with return_logprob): render its two lists.
     token_ids_logprob: bool = False
+    # `return_prompt_token_ids`: every record carries the prompt as `prompt_token_ids`.
+    return_prompt_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,6 +667,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
                     top_logprobs_num=top_k,
                     max_new_tokens=one.sampling.max_tokens,
                     token_ids_logprob=wanted and output.logprob_token_ids is not None,
+                    return_prompt_token_ids=obj.return_prompt_token_ids,
                 )
             )
     return Bound(

@@ -33,6 +33,7 @@ MERGE_RULES: dict[str, Rule] = {
     "meta_info.input_token_ids_logprobs": Rule.PROMPT,
     "meta_info.output_token_ids_logprobs": Rule.DELTA,
     "meta_info.routed_experts": Rule.DELTA,
+    "prompt_token_ids": Rule.PROMPT,
 }
 
 
@@ -156,7 +157,11 @@ class SglangExchange(Exchange):
                 meta.setdefault(key, value)
         if finish is not None:
             meta["e2e_latency"] = round(time.monotonic() - self.received_at, 6)
-        return {"output_ids": tokens, "meta_info": meta}
+        record: Record = {"output_ids": tokens, "meta_info": meta}
+        if opts.return_prompt_token_ids:
+            # SGLang adds the prompt to every output of such a request.
+            record["prompt_token_ids"] = item.prompt
+        return record
 
     def new_attempt(self, index: int) -> None:
         self.items[index].completion_tokens = 0
