@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -206,19 +207,18 @@ def _prompts(obj: GenerateReqInput) -> tuple[list[list[int]], bool]:
         raise _value_error("Either text, input_ids or input_embeds should be provided.")
     if not ids:
         raise _value_error("input_ids cannot be empty.")
-    # The schema let through lists of ints (booleans are ints to SGLang) or of lists.
-    if isinstance(ids[0], list):
-        prompts: list[list[int]] = [[int(t) for t in row] for row in ids]
-        single = False
-    else:
-        prompts, single = [[int(t) for t in ids]], True
+    # The schema let through lists of int64 (booleans are ints to SGLang): as C arrays,
+    # read back as plain ints, and range-checked by min/max, without a Python-level loop.
+    rows = ids if isinstance(ids[0], list) else [ids]
+    prompts: list[list[int]] = [array("q", row).tolist() for row in rows]
+    single = not isinstance(ids[0], list)
     for b, prompt in enumerate(prompts):
         if not prompt:
             raise _value_error("input_ids cannot be empty.")
-        for i, tid in enumerate(prompt):
-            if not 0 <= tid <= MAX_TOKEN_ID:
-                where = f"input_ids[{i}]" if single else f"input_ids[{b}][{i}]"
-                raise _value_error(f"{where}: token id {tid} is out of range")
+        if min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID:
+            i, tid = next((i, t) for i, t in enumerate(prompt) if not 0 <= t <= MAX_TOKEN_ID)
+            where = f"input_ids[{i}]" if single else f"input_ids[{b}][{i}]"
+            raise _value_error(f"{where}: token id {tid} is out of range")
     return prompts, single
 
 
