@@ -19,7 +19,7 @@ from genmesh.formats.sglang import SglangFormat, request
 from genmesh.formats.sglang.response import JOINERS, MERGE_RULES
 from genmesh.shared import frames
 from genmesh.shared.engine_info import EngineCatalog, EngineInfo
-from genmesh.shared.envelope import Envelope, OutputOptions, Sampling
+from genmesh.shared.envelope import Envelope, EnvelopeError, OutputOptions, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
 
 pytestmark = pytest.mark.unit
@@ -402,3 +402,30 @@ def test_return_prompt_token_ids_puts_the_prompt_on_every_record() -> None:
     plain = bind({"input_ids": [4, 5]})
     record = SglangFormat().exchange(plain, "p", time.monotonic()).render(0, out)  # type: ignore[arg-type]
     assert "prompt_token_ids" not in record
+
+
+def test_the_envelope_checks_logprob_token_ids() -> None:
+    wire = {"v": 1, "id": "x", "token_ids": [1], "output": {"logprob_token_ids": [3, -1]}}
+    with pytest.raises(EnvelopeError, match=r"output\.logprob_token_ids\[1\]: expected a token"):
+        Envelope.from_wire(wire)
+    wire["output"] = {"logprob_token_ids": []}
+    assert Envelope.from_wire(wire).output.logprob_token_ids is None
+
+
+@pytest.mark.parametrize("key", ["extra_key", "cache_salt"])
+def test_a_list_salt_on_a_single_request_is_sglangs_refusal(key: str) -> None:
+    assert (
+        refused({"input_ids": [1], key: ["a"]}) == f"{key} should be a string for a single request."
+    )
+
+
+def test_cache_salt_wins_over_extra_key_and_empty_is_none() -> None:
+    env = bind({"input_ids": [1], "extra_key": "e", "cache_salt": "c"}).items[0]
+    assert env.routing.cache_salt == "c"
+    assert bind({"input_ids": [1], "extra_key": ""}).items[0].routing.cache_salt is None
+    salts = bind({"input_ids": [[1], [2]], "extra_key": ["a", "b"]}).items
+    assert [env.routing.cache_salt for env in salts] == ["a", "b"]
+
+
+def test_session_id_is_a_routing_hint() -> None:
+    assert bind({"input_ids": [1], "session_id": "s-1"}).items[0].routing.session == "s-1"

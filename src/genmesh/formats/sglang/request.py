@@ -228,7 +228,8 @@ def _per_prompt(body: Mapping[str, Any], key: str, count: int, single: bool) -> 
     if not isinstance(value, list):
         return [value] * count
     if single:
-        raise _value_error(f"{key} should be a scalar for a single request.")
+        kind = "string" if key in ("extra_key", "cache_salt") else "scalar"
+        raise _value_error(f"{key} should be a {kind} for a single request.")
     if len(value) != count:
         raise _value_error(f"The length of {key} should be equal to the batch size.")
     return value
