@@ -20,7 +20,6 @@ from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.merge import Merger, fold
 from genmesh.formats.sglang import SglangFormat, request
 from genmesh.formats.sglang.request import (
-    DEFAULT_MAX_NEW_TOKENS,
     INTERNAL,
     UNSUPPORTED,
     ItemOptions,
@@ -32,6 +31,7 @@ from genmesh.formats.sglang.response import (
     SglangExchange,
     native_finish_reason,
 )
+from genmesh.formats.sglang.sampling import DEFAULT_MAX_NEW_TOKENS
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError

@@ -19,7 +19,6 @@ FastAPI's message; values SGLang refuses get `{"error": {"message"}}` with SGLan
 from __future__ import annotations
 
 import json
-import math
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -27,6 +26,8 @@ from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import note_unknown_fields, oversized_int
+from genmesh.formats.sglang.errors import legacy_error, type_error, value_error
+from genmesh.formats.sglang.sampling import Sampled, migration_refusal, resolve_sampling
 from genmesh.formats.sglang.schema import (
     GENERATE_FIELDS,
     GenerateReqInput,
@@ -42,12 +43,9 @@ from genmesh.shared.envelope import (
     Envelope,
     OutputOptions,
     Routing,
-    Sampling,
-    finite_float,
 )
 from genmesh.shared.ids import new_public_id
 
-DEFAULT_MAX_NEW_TOKENS = 128
 # One request may fan out into at most this many generations (batch size x n).
 MAX_GENERATIONS = 1024
 
@@ -96,41 +94,6 @@ _TOKEN_IDS = "token_ids_logprob"
 _LOGPROB_LISTS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 # Fields the mesh handles itself: they never reach an engine's native payload.
 _NOT_FORWARDED = frozenset(("input_ids", "rid", "stream", "text"))
-# SamplingParams' defaults for a key set to null (also over a preferred default).
-_SGLANG_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
-_SAMPLING_EPS = 1e-6
-
-
-def legacy_error(message: str, status: int = 400) -> dict[str, Any]:
-    return {
-        "object": "error",
-        "message": message,
-        "type": "Bad Request",
-        "param": None,
-        "code": status,
-    }
-
-
-def error(message: str, status: int = 400) -> dict[str, Any]:
-    """SGLang's error body: `{"error": {"message"}}`, except for the 5xx answers SGLang
-    raises as HTTPExceptions (queue full, engine failures), which get the legacy shape."""
-    if status >= 500:
-        return legacy_error(message, status) | {"type": str(status)}
-    return {"error": {"message": message}}
-
-
-def _type_error(message: str) -> RequestRejected:
-    return RequestRejected(400, legacy_error(message), message)
-
-
-def _value_error(message: str) -> RequestRejected:
-    return RequestRejected(400, error(message), message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +123,7 @@ def parse(body: bytes) -> Any:
     """The body as FastAPI reads it for SGLang: JSON, or the error FastAPI answers with."""
     if not body:
         missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-        raise _type_error(validation_message([missing]))
+        raise type_error(validation_message([missing]))
     try:
         return json.loads(body)
     except json.JSONDecodeError as exc:
@@ -171,7 +134,7 @@ def parse(body: bytes) -> Any:
             "input": {},
             "ctx": {"error": exc.msg},
         }
-        raise _type_error(validation_message([err])) from None
+        raise type_error(validation_message([err])) from None
     except (ValueError, RecursionError):  # undecodable bytes, nesting too deep
         # FastAPI's answer to a body it cannot read at all: an HTTPException(400).
         message = "There was an error parsing the body"
@@ -203,10 +166,10 @@ def _prompts(obj: GenerateReqInput) -> tuple[list[list[int]], bool]:
     ids = obj.input_ids
     if ids is None:
         if obj.text is not None:
-            raise _value_error(SKIP_TOKENIZER_TEXT)
-        raise _value_error("Either text, input_ids or input_embeds should be provided.")
+            raise value_error(SKIP_TOKENIZER_TEXT)
+        raise value_error("Either text, input_ids or input_embeds should be provided.")
     if not ids:
-        raise _value_error("input_ids cannot be empty.")
+        raise value_error("input_ids cannot be empty.")
     # The schema let through lists of int64 (booleans are ints to SGLang): as C arrays,
     # read back as plain ints, and range-checked by min/max, without a Python-level loop.
     rows = ids if isinstance(ids[0], list) else [ids]
@@ -214,11 +177,11 @@ def _prompts(obj: GenerateReqInput) -> tuple[list[list[int]], bool]:
     single = not isinstance(ids[0], list)
     for b, prompt in enumerate(prompts):
         if not prompt:
-            raise _value_error("input_ids cannot be empty.")
+            raise value_error("input_ids cannot be empty.")
         if min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID:
             i, tid = next((i, t) for i, t in enumerate(prompt) if not 0 <= t <= MAX_TOKEN_ID)
             where = f"input_ids[{i}]" if single else f"input_ids[{b}][{i}]"
-            raise _value_error(f"{where}: token id {tid} is out of range")
+            raise value_error(f"{where}: token id {tid} is out of range")
     return prompts, single
 
 
@@ -229,9 +192,9 @@ def _per_prompt(body: Mapping[str, Any], key: str, count: int, single: bool) -> 
         return [value] * count
     if single:
         kind = "string" if key in ("extra_key", "cache_salt") else "scalar"
-        raise _value_error(f"{key} should be a {kind} for a single request.")
+        raise value_error(f"{key} should be a {kind} for a single request.")
     if len(value) != count:
-        raise _value_error(f"The length of {key} should be equal to the batch size.")
+        raise value_error(f"The length of {key} should be equal to the batch size.")
     return value
 
 
@@ -244,9 +207,9 @@ def _params(body: Mapping[str, Any], sps: list[Any]) -> list[SamplingParams]:
         try:
             out.append(validate_sampling(dict(sent or {}), where))
         except SchemaError as exc:
-            raise _type_error(str(exc)) from None
+            raise type_error(str(exc)) from None
         except TypeError as exc:  # a key SamplingParams does not take
-            raise _value_error(str(exc)) from None
+            raise value_error(str(exc)) from None
     return out
 
 
@@ -254,12 +217,12 @@ def _samples(params: list[SamplingParams]) -> int:
     """`n`, which every prompt's sampling_params must agree on (`_handle_parallel_sampling`)."""
     counts = [1 if p.n is None else p.n for p in params]
     if any(count != counts[0] for count in counts):
-        raise _value_error(
+        raise value_error(
             "The parallel_sample_num should be the same for all samples in sample params."
         )
     n: int = counts[0]
     if n < 1:
-        raise _value_error(f"sampling_params.n must be at least 1, got {n}")
+        raise value_error(f"sampling_params.n must be at least 1, got {n}")
     return n
 
 
@@ -270,17 +233,17 @@ def _token_ids_logprob(value: Any, count: int, single: bool, n: int) -> list[lis
     if not isinstance(value[0], list):
         rows: list[Any] = [list(value) for _ in range(count)]
     elif single:
-        raise _value_error("token_ids_logprob must be a flat list of integers.")
+        raise value_error("token_ids_logprob must be a flat list of integers.")
     elif n > 1:
-        raise _value_error("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        raise value_error("Cannot use list token_ids_logprob with parallel_sample_num > 1")
     elif len(value) != count:
-        raise _value_error("The length of token_ids_logprob should be equal to the batch size.")
+        raise value_error("The length of token_ids_logprob should be equal to the batch size.")
     else:
         rows = list(value)
     for row in rows:
         for tid in row or ():
             if not 0 <= tid <= MAX_TOKEN_ID:
-                raise _value_error(
+                raise value_error(
                     f"token_ids_logprob contains out-of-vocabulary token id {tid}; "
                     f"token ids are in [0, {MAX_TOKEN_ID + 1})."
                 )
@@ -290,25 +253,23 @@ def _token_ids_logprob(value: Any, count: int, single: bool, n: int) -> list[lis
 def _normalize(body: Mapping[str, Any], obj: GenerateReqInput) -> _Batch:
     """`normalize_batch_and_arguments`: the checks SGLang makes before tokenizing."""
     if obj.session_id is not None and obj.session_params is not None:
-        raise _value_error("session_id and session_params cannot both be set.")
+        raise value_error("session_id and session_params cannot both be set.")
     if obj.return_flat_raw_top_logprobs_b64 and not obj.return_flat_raw_top_logprobs:
-        raise _value_error(
-            "return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs."
-        )
+        raise value_error("return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs.")
     prompts, single = _prompts(obj)
     count = len(prompts)
     per_prompt = {key: _per_prompt(body, key, count, single) for key in _PER_PROMPT}
     params = _params(body, per_prompt["sampling_params"])
     n = _samples(params)
     if count * n > MAX_GENERATIONS:
-        raise _value_error(
+        raise value_error(
             f"this request asks for {count * n} generations ({count} prompts x n={n}); "
             f"at most {MAX_GENERATIONS} per request"
         )
     if n > 1:
         for key in _LOGPROB_LISTS:
             if isinstance(body.get(key), list):
-                raise _value_error(f"Cannot use list {key} with parallel_sample_num > 1")
+                raise value_error(f"Cannot use list {key} with parallel_sample_num > 1")
     for key in ("extra_key", "cache_salt"):
         # An empty key is no key (SGLang: `_normalize_extra_key`).
         per_prompt[key] = [value or None for value in per_prompt[key]]
@@ -319,164 +280,13 @@ def _normalize(body: Mapping[str, Any], obj: GenerateReqInput) -> _Batch:
 def _refuse_by_value(obj: GenerateReqInput) -> None:
     for key in INTERNAL:
         if getattr(obj, key) is not None:
-            raise _value_error(
+            raise value_error(
                 f"`{key}` is internal routing state and cannot be set by clients "
                 "(this server does its own prefill/decode pairing)"
             )
     for key, reason in UNSUPPORTED.items():
         if not _empty(getattr(obj, key)):
-            raise _value_error(reason)
-
-
-# ---------------------------------------------------------------- sampling
-
-
-@dataclass(slots=True)
-class _Sampled:
-    """One prompt's sampling, as SGLang's SamplingParams would have it."""
-
-    sampling: Sampling
-    repetition_penalty: float
-    params: SamplingParams
-
-
-def _effective(
-    params: SamplingParams, sent: Mapping[str, Any], defaults: Mapping[str, Any], key: str
-) -> Any:
-    """SGLang's `{**preferred_sampling_params, **sampling_params}`: what the request sent
-    (null included) wins over the server's default; a null over a default is SamplingParams'
-    own default."""
-    if key in sent:
-        value = getattr(params, key)
-        if value is None and key in defaults:
-            return _SGLANG_DEFAULTS.get(key)
-        return value
-    return defaults.get(key)
-
-
-def _number(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _sampling(params: SamplingParams, sent: Mapping[str, Any], info: EngineInfo | None) -> _Sampled:
-    """`SamplingParams(**merged)`, `normalize(tokenizer=None)`, `verify()`, with SGLang's
-    messages; the result as the envelope's canonical sampling."""
-    defaults: Mapping[str, Any] = info.sampling_defaults if info else {}
-
-    def get(key: str) -> Any:
-        return _effective(params, sent, defaults, key)
-
-    temperature = _number(get("temperature"))
-    top_p = _number(get("top_p"))
-    min_p = _number(get("min_p"))
-    top_k = get("top_k")
-    top_k = None if top_k is None else int(top_k)
-    repetition = _number(get("repetition_penalty"))
-    frequency = _number(params.frequency_penalty)
-    presence = _number(params.presence_penalty)
-    max_new: int | None = DEFAULT_MAX_NEW_TOKENS
-    if "max_new_tokens" in sent:
-        max_new = params.max_new_tokens
-    elif "max_new_tokens" in defaults:
-        max_new = int(defaults["max_new_tokens"])
-    min_new = params.min_new_tokens or 0
-    # normalize(None): what needs a tokenizer.
-    for key in ("stop", "stop_regex"):
-        value = getattr(params, key)
-        values = [value] if isinstance(value, str) else value
-        if values:
-            raise _value_error(
-                f"{key}={values!r} is unavailable when skip_tokenizer_init=True "
-                "(requires tokenizer to decode tokens to text for matching)."
-            )
-    if params.beam_width is not None and params.beam_width > 1:
-        raise _value_error(
-            "beam search (sampling_params.beam_width) is not supported by this server"
-        )
-    # __post_init__: a (near) zero temperature is greedy, i.e. top_k = 1.
-    if temperature is not None and 0 <= temperature < _SAMPLING_EPS:
-        top_k = 1
-    _verify(temperature, top_p, min_p, top_k, frequency, presence, repetition, min_new, max_new)
-    _verify_logit_bias(params.logit_bias)
-    if sum(getattr(params, key) is not None for key in ("json_schema", "regex", "ebnf")) > 1:
-        raise _value_error("Only one of regex, json_schema, or ebnf can be set.")
-    stop_ids = [t for t in params.stop_token_ids or [] if t is not None]
-    for tid in stop_ids:
-        if not 0 <= tid <= MAX_TOKEN_ID:
-            raise _value_error(f"stop_token_ids: token id {tid} is out of range")
-    ignore_eos = bool(params.ignore_eos)
-    sampling = Sampling(
-        max_tokens=max_new,
-        min_tokens=min_new,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=None if top_k == -1 else top_k,
-        min_p=min_p,
-        seed=params.sampling_seed,
-        # SGLang's Req.check_finished skips stop token ids as well as EOS under
-        # ignore_eos; canonical stop_token_ids are honoured by every engine, so say so here.
-        stop_token_ids=[] if ignore_eos else stop_ids,
-        ignore_eos=ignore_eos,
-    )
-    return _Sampled(sampling, 1.0 if repetition is None else repetition, params)
-
-
-def _verify(
-    temperature: float | None,
-    top_p: float | None,
-    min_p: float | None,
-    top_k: int | None,
-    frequency: float | None,
-    presence: float | None,
-    repetition: float | None,
-    min_new: int,
-    max_new: int | None,
-) -> None:
-    """SamplingParams.verify, in its order and words (null: SamplingParams' default)."""
-    t = 1.0 if temperature is None else temperature
-    if not math.isfinite(t) or t < 0.0:
-        raise _value_error(f"temperature must be a non-negative finite number, got {t}.")
-    p = 1.0 if top_p is None else top_p
-    if not 0.0 < p <= 1.0:
-        raise _value_error(f"top_p must be in (0, 1], got {p}.")
-    m = 0.0 if min_p is None else min_p
-    if not 0.0 <= m <= 1.0:
-        raise _value_error(f"min_p must be in [0, 1], got {m}.")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        raise _value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    f = 0.0 if frequency is None else frequency
-    if not -2.0 <= f <= 2.0:
-        raise _value_error(f"frequency_penalty must be in [-2, 2], got {f}.")
-    pr = 0.0 if presence is None else presence
-    if not -2.0 <= pr <= 2.0:
-        raise _value_error(f"presence_penalty must be in [-2, 2], got {pr}.")
-    r = 1.0 if repetition is None else repetition
-    if not 0.0 < r <= 2.0:
-        raise _value_error(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {r}.")
-    if min_new < 0:
-        raise _value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
-    if max_new is not None:
-        if max_new < 0:
-            raise _value_error(f"max_new_tokens must be at least 0, got {max_new}.")
-        if min_new > max_new:
-            raise _value_error(
-                f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}."
-            )
-
-
-def _verify_logit_bias(logit_bias: Mapping[str, float] | None) -> None:
-    """The keys are token ids (the vocabulary's bound is the engine's to check)."""
-    for key in logit_bias or {}:
-        try:
-            token = int(key)
-        except ValueError as exc:  # SGLang's int(token_id) fails the same way
-            raise _value_error(str(exc)) from None
-        if not 0 <= token <= MAX_TOKEN_ID:
-            raise _value_error(f"logit_bias must has keys in [0, vocab_size - 1], got {key}.")
-    if logit_bias is not None:
-        for value in logit_bias.values():
-            if finite_float(value) is None:
-                raise _value_error(f"logit_bias values must be finite numbers, got {value}.")
+            raise value_error(reason)
 
 
 # ---------------------------------------------------------------- per prompt
@@ -491,13 +301,13 @@ def _check_context(prompt: list[int], sent: Mapping[str, Any], info: EngineInfo 
         return
     length = len(prompt)
     if length >= context:
-        raise _value_error(
+        raise value_error(
             f"The input ({length} tokens) is longer than the model's context length "
             f"({context} tokens)."
         )
     max_new = sent.get("max_new_tokens")
     if isinstance(max_new, int) and max_new + length > context:
-        raise _value_error(
+        raise value_error(
             "Requested token count exceeds the model's maximum context length "
             f"of {context} tokens. You requested a total of {max_new + length} "
             f"tokens: {length} tokens from the input messages and "
@@ -517,12 +327,12 @@ def _output(prompt: list[int], batch: _Batch, b: int) -> tuple[OutputOptions, bo
     start = _int_field(per["logprob_start_len"][b], -1)
     top_k = _int_field(per["top_logprobs_num"][b], 0)
     if top_k < 0:
-        raise _value_error(f"top_logprobs_num must be >= 0, got {top_k}")
+        raise value_error(f"top_logprobs_num must be >= 0, got {top_k}")
     if start < -1:
-        raise _value_error(f"logprob_start_len must be >= -1, got {start}")
+        raise value_error(f"logprob_start_len must be >= -1, got {start}")
     if wanted and start >= len(prompt):
         # The scheduler aborts it so (a 400 abort: SGLang answers with its message).
-        raise _value_error(
+        raise value_error(
             f"req.logprob_start_len={start} is higher than the number of input tokens "
             f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller logprob_start_len."
         )
@@ -544,7 +354,7 @@ def _routed_experts(obj: GenerateReqInput, prompts: list[list[int]]) -> int | No
     start = obj.routed_experts_start_len
     for prompt in prompts:
         if not 0 <= start <= len(prompt):
-            raise _value_error(
+            raise value_error(
                 f"routed_experts_start_len must be in [0, {len(prompt)}] "
                 f"(the prompt length), got {start}"
             )
@@ -554,7 +364,7 @@ def _routed_experts(obj: GenerateReqInput, prompts: list[list[int]]) -> int | No
 def _routing(obj: GenerateReqInput, batch: _Batch, b: int) -> Routing:
     dp_rank = obj.routed_dp_rank if obj.routed_dp_rank is not None else obj.data_parallel_rank
     if dp_rank is not None and dp_rank < 0:
-        raise _value_error(f"the data-parallel rank must be >= 0, got {dp_rank}")
+        raise value_error(f"the data-parallel rank must be >= 0, got {dp_rank}")
     salt = batch.per_prompt["cache_salt"][b] or batch.per_prompt["extra_key"][b]
     return Routing(dp_rank=dp_rank, priority=obj.priority, cache_salt=salt, session=obj.session_id)
 
@@ -566,14 +376,14 @@ def _rids(
     rid, count = obj.rid, len(batch.prompts)
     if isinstance(rid, list):
         if batch.single:
-            raise _value_error("The rid should be a string for a single request.")
+            raise value_error("The rid should be a string for a single request.")
         if len(rid) != count:
-            raise _value_error(
+            raise value_error(
                 "The specified rids length mismatch with the batch_size for batch processing."
             )
         duplicates = sorted({r for r in rid if rid.count(r) > 1})
         if duplicates:
-            raise _value_error(f"Duplicate request IDs detected within the request: {duplicates}")
+            raise value_error(f"Duplicate request IDs detected within the request: {duplicates}")
         return None, list(rid)
     client_id = rid if rid is not None else _header(headers, "x-request-id")
     if batch.single:
@@ -582,7 +392,7 @@ def _rids(
     return client_id, [None if client_id is None else f"{client_id}_{b}" for b in range(count)]
 
 
-def _migration(sampled: list[_Sampled]) -> str | None:
+def _migration(sampled: list[Sampled]) -> str | None:
     for one in sampled:
         refusal = migration_refusal(one.params, one.repetition_penalty)
         if refusal is not None:
@@ -594,7 +404,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     try:
         obj = validate_body(body)
     except SchemaError as exc:
-        raise _type_error(str(exc)) from None
+        raise type_error(str(exc)) from None
     assert isinstance(body, dict)  # the schema takes JSON objects only
     unknown = [key for key in body if key not in GENERATE_FIELDS]
     if unknown:
@@ -604,7 +414,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     # input_ids were checked as int64 already; the rest must fit the bus (msgpack: 64 bits).
     oversized = oversized_int({k: v for k, v in body.items() if k != "input_ids"})
     if oversized is not None:
-        raise _value_error(f"{oversized[0]}: integer {oversized[1]} does not fit in 64 bits")
+        raise value_error(f"{oversized[0]}: integer {oversized[1]} does not fit in 64 bits")
     client_id, rids = _rids(obj, headers, batch)
     # SGLang serves one model; the `model` a router adds to the body means nothing to it.
     info = engines.get(None)
@@ -616,11 +426,11 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     shared = {k: v for k, v in forwarded.items() if k not in _PER_PROMPT and k != _TOKEN_IDS}
     items: list[Envelope] = []
     options: list[ItemOptions] = []
-    sampled: list[_Sampled] = []
+    sampled: list[Sampled] = []
     for b, prompt in enumerate(batch.prompts):
         sent = batch.per_prompt["sampling_params"][b] or {}
         _check_context(prompt, sent, info)
-        one = _sampling(batch.params[b], sent, info)
+        one = resolve_sampling(batch.params[b], sent, info)
         sampled.append(one)
         output, wanted, top_k = _output(prompt, batch, b)
         if experts is not None:
@@ -678,20 +488,6 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
         options=SglangOptions(options, multi),
         migration=_migration(sampled),
     )
-
-
-def migration_refusal(params: SamplingParams, repetition_penalty: float = 1.0) -> str | None:
-    """Why replaying the delivered tokens as prompt would change what comes next."""
-    for key in ("json_schema", "regex", "ebnf", "structural_tag"):
-        if getattr(params, key) is not None:
-            return f"guided decoding ({key}) would restart its grammar from the schema root"
-    for key in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, key):
-            return f"{key} counts generated tokens, which a continuation sees as prompt"
-    # SGLang's repetition penalizer counts output tokens only, too.
-    if repetition_penalty != 1.0:
-        return "repetition_penalty counts generated tokens, which a continuation sees as prompt"
-    return None
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from genmesh.formats.base import Exchange, Record
 from genmesh.formats.merge import Rule
-from genmesh.formats.sglang.request import ItemOptions, SglangOptions, error
+from genmesh.formats.sglang.errors import error
+from genmesh.formats.sglang.request import ItemOptions, SglangOptions
 from genmesh.shared import frames
 from genmesh.shared.errors import MeshError
 
