@@ -1295,13 +1295,55 @@ async def test_server_info_has_the_keys_clients_read(path: str) -> None:
     assert info["dp_size"] == 1
     assert info["incremental_streaming_output"] is False
     assert info["stream_output"] is False
-    assert info["max_req_input_len"] == 4095
-    assert info["max_total_num_tokens"] >= 4096
+    # The scheduler's init info: min(context - 1, pool - 1) - 5 (tp_worker.py).
+    assert info["status"] == "ready"
+    assert info["max_req_input_len"] == 4090
+    assert info["max_total_num_tokens"] == 1_048_576
     assert info["context_length"] == 4096
+    assert info["page_size"] == 1
+    assert info["preferred_sampling_params"] is None
     assert isinstance(info["internal_states"], list)
     assert info["internal_states"]
     assert isinstance(info["version"], str)
     assert info["port"] == int(url.rsplit(":", 1)[1])
+
+
+async def test_info_routes_report_the_configured_limits_and_defaults() -> None:
+    """A server launched with a small KV pool, `--page-size 32` and
+    `--preferred-sampling-params` reports them where SGLang does: ServerArgs' text in both
+    info routes, the pool in the scheduler's info (which also bounds max_req_input_len)."""
+    preferred = '{"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 3}'
+    config = dataclasses.replace(
+        CONFIG, max_total_num_tokens=2000, block_size=32, preferred_sampling_params=preferred
+    )
+    async with sglang(config) as url:
+        server = (await call(url, "/server_info", method="GET")).body
+        model = (await call(url, "/model_info", method="GET")).body
+    assert server["max_total_num_tokens"] == 2000
+    assert server["max_req_input_len"] == 2000 - 1 - 5
+    assert server["page_size"] == 32
+    assert server["preferred_sampling_params"] == preferred
+    assert model["preferred_sampling_params"] == preferred
+
+
+async def test_preferred_sampling_params_apply_under_the_requests_own() -> None:
+    """`_create_tokenized_object` merges the server's preferred params under each
+    request's: a request that names no budget gets the preferred max_new_tokens, one that
+    names its own keeps it."""
+    config = dataclasses.replace(CONFIG, preferred_sampling_params='{"max_new_tokens": 3}')
+    async with sglang(config) as url:
+        preferred = await generate(url, {"input_ids": [1, 2, 3], "sampling_params": {}})
+        own = await generate(
+            url, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}}
+        )
+    assert preferred.body["meta_info"]["completion_tokens"] == 3
+    assert own.body["meta_info"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_bad_preferred_sampling_params_stop_the_server(text: str) -> None:
+    with pytest.raises(ValueError, match=r"JSON object|Expecting"):
+        build_app(dataclasses.replace(CONFIG, preferred_sampling_params=text))
 
 
 async def test_v1_models_lists_the_served_model() -> None:

@@ -736,6 +736,23 @@ async def test_health_models_version(vllm: Server) -> None:
     assert isinstance(version["version"], str)
 
 
+@pytest.mark.parametrize(("block_size", "expected_block"), [(0, 16), (32, 32)])
+async def test_metrics_state_the_cache_config(block_size: int, expected_block: int) -> None:
+    """vLLM's Prometheus page carries its CacheConfig as an info gauge (value 1): the block
+    size (default 16) and the GPU blocks the KV pool was profiled at."""
+    config = MockServerConfig(max_total_num_tokens=8192, block_size=block_size)
+    async with mock_vllm(config) as server:
+        reply = await server.get("/metrics")
+    assert reply.status == 200
+    assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    (series,) = [line for line in reply.text.splitlines() if not line.startswith("#")]
+    assert series.startswith("vllm:cache_config_info{")
+    assert series.endswith("} 1.0")
+    assert f'block_size="{expected_block}"' in series
+    assert f'num_gpu_blocks="{8192 // expected_block}"' in series
+    assert "# TYPE vllm:cache_config_info gauge" in reply.text
+
+
 async def test_token_delay_applies_to_running_requests() -> None:
     slow_config = MockServerConfig(vocab_size=VOCAB, eos_token_id=EOS, token_delay_ms=60_000)
     async with mock_vllm(slow_config) as server:

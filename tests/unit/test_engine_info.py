@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from genmesh.engines.mock import MockConfig, MockEngine
-from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog, EngineInfo
+from genmesh.engines.mock import MockConfig, MockEngine, parse_sampling_defaults
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog, EngineInfo, sampling_defaults
+from genmesh.shared.settings import parse
 
 pytestmark = pytest.mark.unit
 
@@ -60,9 +61,55 @@ def test_catalog_takes_the_tightest_limits_of_a_models_workers() -> None:
 
 
 def test_the_mock_advertises_its_limits() -> None:
-    config = MockConfig(max_model_len=1000, sampling_defaults={"temperature": 0.7})
+    config = MockConfig(max_model_len=1000, sampling_defaults=(("temperature", 0.7),))
     info = EngineInfo.from_wire(MockEngine(config).describe()["engine_info"])
     assert info is not None
     assert (info.model, info.context_length) == (config.model, 1000)
     assert info.max_total_num_tokens == config.kv_capacity_tokens
     assert info.sampling_defaults == {"temperature": 0.7}
+
+
+def test_a_worker_that_states_nothing_takes_nothing_away() -> None:
+    """Limits are the tightest stated; block size, defaults and version the first stated,
+    whichever worker the directory happens to list first."""
+    silent = EngineInfo("m")
+    stated = EngineInfo(
+        "m",
+        context_length=4096,
+        block_size=32,
+        sampling_defaults={"top_p": 0.9},
+        engine_version="x-1",
+    )
+    for order in ([silent, stated], [stated, silent]):
+        assert EngineCatalog(order).get("m") == stated
+
+
+def test_sampling_defaults_read_a_map_or_its_json_text() -> None:
+    """SGLang reports --preferred-sampling-params as the JSON text it was given."""
+    text = '{"temperature": 0.6, "max_new_tokens": 64, "stop": ["x"], "top_k": true}'
+    assert sampling_defaults(text) == {"temperature": 0.6, "max_new_tokens": 64}
+    assert sampling_defaults({"min_p": 0.1}) == {"min_p": 0.1}
+    assert sampling_defaults('{"temperature": NaN, "top_p": Infinity, "top_k": 5}') == {"top_k": 5}
+    for unreadable in ("{not json", "[1]", None, 3):
+        assert sampling_defaults(unreadable) == {}
+
+
+def test_the_mock_takes_its_advertised_facts_from_the_command_line() -> None:
+    config = parse(
+        MockConfig,
+        [
+            *("--mock-kv-capacity-tokens", "5000", "--mock-block-size", "64"),
+            *("--mock-sampling-defaults", '{"temperature": 0.6, "top_k": 20}'),
+        ],
+        environ={},
+    )
+    info = EngineInfo.from_wire(MockEngine(config).describe()["engine_info"])
+    assert info is not None
+    assert (info.max_total_num_tokens, info.block_size) == (5000, 64)
+    assert info.sampling_defaults == {"temperature": 0.6, "top_k": 20}
+
+
+@pytest.mark.parametrize("text", ['{"temprature": 0.6}', '{"top_p": "high"}', "[0.6]", "{"])
+def test_mock_sampling_defaults_refuse_what_would_silently_vanish(text: str) -> None:
+    with pytest.raises(ValueError, match=r"(?i)expect"):
+        parse_sampling_defaults(text)

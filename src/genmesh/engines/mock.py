@@ -13,13 +13,14 @@ by a speed-up factor; speed-up 0 means an instant engine.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from genmesh import __version__
 from genmesh.engines.base import EngineOutput, usage
-from genmesh.shared.engine_info import EngineInfo
+from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
@@ -125,6 +126,25 @@ class ExpertModel:
         return row
 
 
+# (name, value) pairs: immutable, so a frozen config can hold them as its default.
+SamplingDefaults = tuple[tuple[str, float | int], ...]
+
+
+def parse_sampling_defaults(text: str) -> SamplingDefaults:
+    """`--mock-sampling-defaults`: a JSON object of generation-config names to numbers;
+    anything else is refused, so a typo stops the command instead of vanishing."""
+    obj = json.loads(text) if text.strip() else {}
+    parsed = sampling_defaults(obj)
+    if not isinstance(obj, dict) or parsed.keys() != obj.keys():
+        names = ", ".join(sorted(SAMPLING_DEFAULT_KEYS))
+        raise ValueError(f"expected a JSON object of numbers named {names}: {text}")
+    return tuple(parsed.items())
+
+
+def render_sampling_defaults(value: SamplingDefaults) -> str:
+    return json.dumps(dict(value))
+
+
 @dataclass(frozen=True, slots=True)
 class MockConfig:
     """The mock engine's settings; the options of a worker's (and `up`'s) `--mock-*`."""
@@ -140,11 +160,26 @@ class MockConfig:
         parse=positive_int,
         help="mock context length (prompt + output)",
     )
-    kv_capacity_tokens: int = 1_048_576
-    # Tokens per KV block, and the defaults for unset sampling parameters (as a model's
-    # generation config gives them), advertised in the card's engine_info.
-    block_size: int = 16
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # What the card's engine_info advertises besides the context length: the KV cache's
+    # capacity and block size, and the defaults for unset sampling parameters (as a
+    # model's generation config gives them, by generation-config name).
+    kv_capacity_tokens: int = option(
+        1_048_576,
+        flag="--mock-kv-capacity-tokens",
+        parse=positive_int,
+        help="tokens the mock's KV cache holds (advertised as max_total_num_tokens)",
+    )
+    block_size: int = option(
+        16, flag="--mock-block-size", parse=positive_int, help="mock KV block (page) size"
+    )
+    sampling_defaults: SamplingDefaults = option(
+        (),
+        flag="--mock-sampling-defaults",
+        parse=parse_sampling_defaults,
+        render=render_sampling_defaults,
+        metavar="JSON",
+        help="mock generation-config sampling defaults, e.g. '{\"temperature\": 0.6}'",
+    )
     # 1.0 = the polynomial timing model in real time; 0 = no delay at all (a worker's
     # mock runs in real time unless told otherwise: services/worker/config.py).
     speedup: float = option(
@@ -198,7 +233,7 @@ class MockEngine:
                 context_length=c.max_model_len,
                 max_total_num_tokens=c.kv_capacity_tokens,
                 block_size=c.block_size,
-                sampling_defaults=c.sampling_defaults,
+                sampling_defaults=dict(c.sampling_defaults),
                 engine_version=f"genmesh-mock-{__version__}",
             ).to_wire(),
             "speedup": c.speedup,

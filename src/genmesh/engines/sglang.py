@@ -40,6 +40,7 @@ from genmesh.engines.http import (
 )
 from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
+from genmesh.shared.engine_info import EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
@@ -67,6 +68,8 @@ _MAPPED_META = frozenset(
 )
 # Fields of an SGLang-format request the adapter sets itself.
 _OWNED = ("input_ids", "rid", "stream", "text")
+# The server info route, newest name first.
+INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 def new_dispatch_rid() -> str:
@@ -122,6 +125,11 @@ def sglang_body(env: Envelope, rid: str) -> dict[str, Any]:
     return body
 
 
+def _positive(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
+
+
 def _int32(text: Any) -> list[int]:
     raw = base64.b64decode(text)
     return list(struct.unpack(f"<{len(raw) // 4}i", raw))
@@ -167,18 +175,43 @@ class SglangEngine(HttpEngineBase):
 
     def __init__(self, config: HttpEngineConfig) -> None:
         super().__init__(config)
+        # Learnt from the server by healthy(); forgotten while it is down.
         self._server_info: dict[str, Any] = {}
+        self._model_len: Any = None
 
     def describe(self) -> dict[str, Any]:
         info = self._server_info
         model = info.get("served_model_name") or info.get("model_path")
+        engine_info = self._engine_info()
         return {
             "model": str(model) if model else "unknown",
             "formats": ["*"],
             "engine_url": self.config.url,
             "incremental_streaming_output": self._incremental(),
-            "max_model_len": info.get("context_length"),
+            "max_model_len": engine_info.context_length if engine_info else None,
+            "engine_info": engine_info.to_wire() if engine_info else None,
         }
+
+    def _engine_info(self) -> EngineInfo | None:
+        """What the server told of itself, as the card's `engine_info`; None until then."""
+        info = self._server_info
+        model = info.get("served_model_name") or info.get("model_path")
+        if not model:
+            return None
+        version = info.get("version")
+        return EngineInfo(
+            model=str(model),
+            # The model's effective context length is /v1/models' max_model_len; ServerArgs'
+            # context_length is only the --context-length override (None without it).
+            context_length=_positive(self._model_len) or _positive(info.get("context_length")),
+            max_total_num_tokens=_positive(info.get("max_total_num_tokens")),
+            block_size=_positive(info.get("page_size")),
+            # What /generate merges under each request's sampling_params. The model's
+            # generation config (`--sampling-defaults model`) applies only to SGLang's
+            # OpenAI routes, and no route reports it.
+            sampling_defaults=sampling_defaults(info.get("preferred_sampling_params")),
+            engine_version=f"sglang-{version}" if isinstance(version, str) else None,
+        )
 
     def _incremental(self) -> bool | None:
         for key in ("incremental_streaming_output", "stream_output"):
@@ -188,23 +221,41 @@ class SglangEngine(HttpEngineBase):
         return None
 
     async def healthy(self) -> bool:
-        """The engine answers `/health`; its model and streaming mode are (re)read then."""
+        """The engine answers `/health`; its model, limits and streaming mode are (re)read
+        then, once per time it comes up."""
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        base = self.config.base
         try:
-            async with self.session.get(f"{base}/health", timeout=timeout) as r:
+            async with self.session.get(f"{self.config.base}/health", timeout=timeout) as r:
                 if r.status != 200:
                     self._server_info = {}
                     return False
             if not self._server_info:
-                async with self.session.get(f"{base}/get_server_info", timeout=timeout) as r:
-                    info = await r.json() if r.status == 200 else {}
-                self._server_info = info if isinstance(info, dict) else {}
+                await self._learn(timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("SGLang at %s is not healthy: %s", self.config.url, exc)
             self._server_info = {}
             return False
         return True
+
+    async def _learn(self, timeout: aiohttp.ClientTimeout) -> None:
+        """Read `/server_info` (older servers: `/get_server_info` only; newer ones log
+        that name as deprecated) and the model's context length from `/v1/models`."""
+        info = await self._get_json(INFO_PATHS, timeout)
+        models = await self._get_json(("/v1/models",), timeout)
+        data = models.get("data") if isinstance(models, dict) else None
+        first = data[0] if isinstance(data, list) and data else None
+        self._model_len = first.get("max_model_len") if isinstance(first, dict) else None
+        self._server_info = info if isinstance(info, dict) else {}
+
+    async def _get_json(self, paths: tuple[str, ...], timeout: aiohttp.ClientTimeout) -> Any:
+        """The JSON of the first of `paths` the server has (404 = try the next); None if
+        none answers 200."""
+        for path in paths:
+            async with self.session.get(f"{self.config.base}{path}", timeout=timeout) as r:
+                if r.status == 404:
+                    continue
+                return await r.json(content_type=None) if r.status == 200 else None
+        return None
 
     async def _abort(self, rid: str) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import secrets
 from collections.abc import AsyncGenerator
 from typing import Any, cast
@@ -53,6 +54,7 @@ from genmesh.engines.http import (
 )
 from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
+from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
@@ -400,6 +402,24 @@ def _implied_rank(token: int, candidates: list[tuple[int, float, int | None]]) -
     return 0
 
 
+_CACHE_CONFIG_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def cache_config_labels(metrics: Any) -> dict[str, str]:
+    """The labels of the first `vllm:cache_config_info` series of a Prometheus text page
+    (vLLM's CacheConfig, one series per engine); empty when there is none."""
+    found = _CACHE_CONFIG_INFO.search(metrics) if isinstance(metrics, str) else None
+    return dict(_LABEL.findall(found["labels"])) if found else {}
+
+
+def _label_int(text: str | None) -> int | None:
+    """A label's positive integer ("None" and the like: not known)."""
+    if text is None or not text.isdigit():
+        return None
+    return int(text) or None
+
+
 def _streams(response: aiohttp.ClientResponse) -> bool:
     return response.content_type == "text/event-stream"
 
@@ -415,6 +435,8 @@ class VllmEngine(HttpEngineBase):
         # Facts learnt from the server by healthy(); forgotten while it is down.
         self._model: str | None = None
         self._max_model_len: int | None = None
+        self._version: str | None = None
+        self._cache: dict[str, str] = {}
         # Whether POST /abort_requests exists (None = not known yet).
         self._abort_offered: bool | None = None
 
@@ -425,15 +447,40 @@ class VllmEngine(HttpEngineBase):
             "engine_url": self.config.url,
             "abort_requests": self._abort_offered,
             "max_model_len": self._max_model_len,
+            "engine_info": self._engine_info(),
         }
+
+    def _engine_info(self) -> dict[str, Any] | None:
+        """The card's `engine_info`: what vLLM's HTTP server states. The generation-config
+        defaults vLLM applies to unset sampling parameters are stated by no route (only
+        the dev-mode `/server_info` dumps the config, and it names the file, not the
+        values), so sampling_defaults stays empty."""
+        if self._model is None:
+            return None
+        block = _label_int(self._cache.get("block_size"))
+        blocks = _label_int(self._cache.get("num_gpu_blocks"))
+        # Newer builds label the pool in tokens; older ones only in blocks.
+        tokens = _label_int(self._cache.get("kv_cache_size_tokens"))
+        if tokens is None and block is not None and blocks is not None:
+            tokens = block * blocks
+        return EngineInfo(
+            model=self._model,
+            context_length=self._max_model_len,
+            max_total_num_tokens=tokens,
+            block_size=block,
+            engine_version=f"vllm-{self._version}" if self._version else None,
+        ).to_wire()
 
     def _forget(self) -> None:
         self._model = None
         self._max_model_len = None
+        self._version = None
+        self._cache = {}
         self._abort_offered = None
 
     async def healthy(self) -> bool:
-        """The server answers `/health`; its model and abort endpoint are (re)learnt then."""
+        """The server answers `/health`; its model, limits and abort endpoint are (re)learnt
+        then, once per time it comes up."""
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         base = self.config.base
         try:
@@ -443,9 +490,11 @@ class VllmEngine(HttpEngineBase):
                     self._forget()
                     return False
             if self._model is None:
-                async with self.session.get(f"{base}/v1/models", timeout=timeout) as r:
-                    models = await r.json(content_type=None) if r.status == 200 else None
-                self._learn_model(models)
+                self._learn_model(await self._get(f"{base}/v1/models", timeout, json=True))
+                version = await self._get(f"{base}/version", timeout, json=True)
+                if isinstance(version, dict) and isinstance(version.get("version"), str):
+                    self._version = version["version"]
+                self._cache = cache_config_labels(await self._get(f"{base}/metrics", timeout))
             if self._abort_offered is None:
                 async with self.session.post(
                     f"{base}{ABORT_PATH}", json={"request_ids": []}, timeout=timeout
@@ -457,6 +506,15 @@ class VllmEngine(HttpEngineBase):
             self._forget()
             return False
         return True
+
+    async def _get(self, url: str, timeout: aiohttp.ClientTimeout, *, json: bool = False) -> Any:
+        """The body of a GET (decoded JSON, or text), None unless it answers 200: an older
+        server without the route (or with `--disable-log-stats`, no metrics) is no failure."""
+        async with self.session.get(url, timeout=timeout) as r:
+            if r.status != 200:
+                await r.read()
+                return None
+            return await r.json(content_type=None) if json else await r.text()
 
     def _learn_model(self, models: Any) -> None:
         data = models.get("data") if isinstance(models, dict) else None

@@ -13,6 +13,8 @@ type, yields None for that field rather than losing the worker.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +33,8 @@ def _int(value: Any) -> int | None:
 def _number(value: Any) -> float | int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return value
+    # JSON text may say NaN or Infinity (Python's json reads both): no default to apply.
+    return value if math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,23 +67,34 @@ class EngineInfo:
         """The info of a card's `engine_info` map; None if it has no model."""
         if not isinstance(obj, Mapping) or not isinstance(obj.get("model"), str):
             return None
-        defaults = obj.get("sampling_defaults")
-        sampling = {}
-        if isinstance(defaults, Mapping):
-            sampling = {
-                key: number
-                for key, value in defaults.items()
-                if key in SAMPLING_DEFAULT_KEYS and (number := _number(value)) is not None
-            }
         version = obj.get("engine_version")
         return cls(
             model=obj["model"],
             context_length=_positive(obj.get("context_length")),
             max_total_num_tokens=_positive(obj.get("max_total_num_tokens")),
             block_size=_positive(obj.get("block_size")),
-            sampling_defaults=sampling,
+            sampling_defaults=sampling_defaults(obj.get("sampling_defaults")),
             engine_version=version if isinstance(version, str) else None,
         )
+
+
+def sampling_defaults(obj: Any) -> dict[str, float | int]:
+    """The sampling defaults in `obj`: a map, or its JSON text (as SGLang's
+    `--preferred-sampling-params` is given and reported). Keys that are not
+    generation-config sampling names, and values that are not numbers, are dropped: what
+    is left is only what a format can apply; anything unreadable is no defaults at all."""
+    if isinstance(obj, str):
+        try:
+            obj = json.loads(obj)
+        except ValueError:
+            return {}
+    if not isinstance(obj, Mapping):
+        return {}
+    return {
+        key: number
+        for key, value in obj.items()
+        if key in SAMPLING_DEFAULT_KEYS and (number := _number(value)) is not None
+    }
 
 
 def _positive(value: Any) -> int | None:
@@ -93,17 +107,21 @@ def _least(values: Iterable[int | None]) -> int | None:
     return min(known) if known else None
 
 
+def _first(values: Iterable[Any]) -> Any:
+    return next((v for v in values if v), None)
+
+
 def combine(infos: list[EngineInfo]) -> EngineInfo:
     """One model's info over the workers that serve it: the tightest limits, since the
-    router may pick any of them; the first worker's defaults (one model, one config)."""
-    first = infos[0]
+    router may pick any of them; the first block size, defaults and version a worker
+    states (one model, one config), so a worker that states none takes nothing away."""
     return EngineInfo(
-        model=first.model,
+        model=infos[0].model,
         context_length=_least(i.context_length for i in infos),
         max_total_num_tokens=_least(i.max_total_num_tokens for i in infos),
-        block_size=first.block_size,
-        sampling_defaults=first.sampling_defaults,
-        engine_version=first.engine_version,
+        block_size=_first(i.block_size for i in infos),
+        sampling_defaults=_first(i.sampling_defaults for i in infos) or {},
+        engine_version=_first(i.engine_version for i in infos),
     )
 
 

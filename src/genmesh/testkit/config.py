@@ -19,6 +19,19 @@ class MockServerConfig:
     eos_token_id: int = option(151_645, help="EOS token id")
     max_model_len: int = option(32_768, parse=positive_int, help="context length")
     token_delay_ms: float = option(0.0, parse=non_negative_float, help="per token")
+    # What the server reports of itself (SGLang /server_info, vLLM /metrics
+    # `vllm:cache_config_info`): the KV pool's size and block (page) size.
+    max_total_num_tokens: int = option(
+        1_048_576, parse=positive_int, help="tokens the KV cache holds"
+    )
+    block_size: int = option(
+        0, help="KV block (page) size; 0 = the engine's default (SGLang 1, vLLM 16)"
+    )
+    # SGLang: --preferred-sampling-params, the JSON text the server merges under every
+    # request's sampling_params and reports in /server_info and /model_info.
+    preferred_sampling_params: str | None = option(
+        None, help="SGLang: default sampling params, as JSON"
+    )
     # SGLang: --incremental-streaming-output (deltas) instead of cumulative chunks.
     incremental: bool = option(False, help="SGLang: incremental (delta) streaming output")
     # vLLM: --tokens-only, which also registers POST /abort_requests.

@@ -8,14 +8,21 @@ import time
 from aiohttp import web
 
 from genmesh.engines.mock import advance, initial_state
+from genmesh.testkit.config import MockServerConfig
+from genmesh.testkit.sglang.normalize import preferred_sampling_params
 from genmesh.testkit.sglang.request import JSON
 from genmesh.testkit.sglang.response import WEIGHT_VERSION, json_response
 from genmesh.testkit.sglang.schedule import Scheduler
 
 # The SGLang release this mock imitates: `--incremental-streaming-output` era (sglang#20614).
 SGLANG_VERSION = "0.5.10"
-# What the KV pool would hold; only reported by /get_server_info.
-MAX_TOTAL_NUM_TOKENS = 1_048_576
+# ServerArgs.page_size when not given: one token per KV page.
+DEFAULT_PAGE_SIZE = 1
+
+
+def max_req_input_len(config: MockServerConfig) -> int:
+    """The scheduler's longest input: `min(context_len - 1, pool - 1) - 5` (tp_worker.py)."""
+    return min(config.max_model_len - 1, config.max_total_num_tokens - 1) - 5
 
 
 class InfoRoutes:
@@ -26,6 +33,7 @@ class InfoRoutes:
         self.state = scheduler.state
         self.model = scheduler.model
         self.started = time.time()
+        preferred_sampling_params(self.config)  # as SGLang, refuse to start on bad JSON
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.state.healthy else 503)
@@ -44,7 +52,8 @@ class InfoRoutes:
                 "model_path": self.config.model,
                 "tokenizer_path": self.config.model,
                 "is_generation": True,
-                "preferred_sampling_params": None,
+                # ServerArgs' text, as given: clients json.loads it themselves.
+                "preferred_sampling_params": self.config.preferred_sampling_params,
                 "weight_version": WEIGHT_VERSION,
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
@@ -66,6 +75,10 @@ class InfoRoutes:
             "load_format": "dummy",
             "trust_remote_code": False,
             "context_length": c.max_model_len,
+            "page_size": c.block_size or DEFAULT_PAGE_SIZE,
+            "preferred_sampling_params": c.preferred_sampling_params,
+            # "model": a model's generation_config.json gives the OpenAI routes' defaults.
+            "sampling_defaults": "model",
             "is_embedding": False,
             "host": host,
             "port": port,
@@ -103,8 +116,10 @@ class InfoRoutes:
         c = self.config
         running = list(self.state.running.values())
         return {
-            "max_total_num_tokens": max(MAX_TOTAL_NUM_TOKENS, c.max_model_len),
-            "max_req_input_len": c.max_model_len - 1,
+            # The scheduler's get_init_info().
+            "status": "ready",
+            "max_total_num_tokens": c.max_total_num_tokens,
+            "max_req_input_len": max_req_input_len(c),
             "internal_states": [
                 {
                     "last_gen_throughput": 0.0,

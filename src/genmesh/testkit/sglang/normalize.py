@@ -9,6 +9,7 @@ the scheduler's own checks, which become an abort the request finishes with
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,18 @@ SKIP_TOKENIZER_TEXT = (
     "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
     "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
 )
+
+
+def preferred_sampling_params(config: MockServerConfig) -> JSON:
+    """`--preferred-sampling-params` as the tokenizer manager holds it (`json.loads` of the
+    text; a server given text that is not a JSON object does not start)."""
+    text = config.preferred_sampling_params
+    if not text:
+        return {}
+    params = json.loads(text)
+    if not isinstance(params, dict):
+        raise ValueError(f"preferred_sampling_params must be a JSON object, got {text!r}")
+    return params
 
 
 @dataclass(slots=True)
@@ -254,7 +267,9 @@ def _prompt_items(batch: _Batch, i: int, config: MockServerConfig) -> list[Item]
     sp = batch.sampling_params[i]
     prompt = _check_prompt(batch.prompts[i], sp, config)
     length = len(prompt)
-    sampling = parse_sampling(sp, config.vocab_size)
+    # `_create_tokenized_object`: the server's preferred params under the request's own,
+    # merged after the context checks (which read the request's max_new_tokens alone).
+    sampling = parse_sampling({**preferred_sampling_params(config), **sp}, config.vocab_size)
     start, k = batch.logprob_start_len[i], batch.top_logprobs_num[i]
     ids = batch.token_ids_logprob[i]
     _check_logprob_params(start, k, ids, config.vocab_size)

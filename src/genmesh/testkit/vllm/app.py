@@ -21,6 +21,7 @@ from genmesh.testkit.common import STATE as STATE_KEY
 from genmesh.testkit.common import add_admin_routes
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm.errors import ApiError, error_body
+from genmesh.testkit.vllm.info import metrics_handler
 from genmesh.testkit.vllm.request import (
     GENERATE_PATH,
     GenerateOptions,
@@ -212,6 +213,7 @@ def build_app(config: MockServerConfig, *, profile: Profile = "new") -> web.Appl
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/version", _version)
+    app.router.add_get("/metrics", metrics_handler(config))
     app.router.add_get("/testkit/vllm/requests", _requests_log)
     app.router.add_delete("/testkit/vllm/requests", _clear_requests_log)
     return app
