@@ -115,7 +115,8 @@ CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def short_mesh(nats_url: str) -> Iterator[InProcessMesh]:
-    """Workers whose engine has a 64-token context, which their cards advertise."""
+    """Workers whose engine has a 64-token context and a generation config asking for 3
+    new tokens, which their cards advertise."""
     own = start_inproc_mesh(
         nats_url,
         namespace=unique_namespace("ctx"),
@@ -123,7 +124,12 @@ def short_mesh(nats_url: str) -> Iterator[InProcessMesh]:
         worker_opts={
             "vocab_size": VOCAB,
             "eos_token_id": EOS,
-            "extra_args": ("--mock-max-model-len", str(CONTEXT)),
+            "extra_args": (
+                "--mock-max-model-len",
+                str(CONTEXT),
+                "--mock-sampling-defaults",
+                '{"max_new_tokens": 3, "top_k": 1}',
+            ),
         },
     )
     yield own
@@ -161,3 +167,17 @@ async def test_a_request_that_fits_the_context_is_served(short_mesh: InProcessMe
     reply = await post(short_mesh.http_url + "/generate", body)
     assert reply.status == 200, reply.body
     assert len(reply.body["output_ids"]) == 4
+
+
+async def test_the_engines_sampling_defaults_apply_to_unset_params(
+    short_mesh: InProcessMesh,
+) -> None:
+    """SGLang's `{**preferred_sampling_params, **sampling_params}`, from the card."""
+    body: dict[str, Any] = {"input_ids": [1, 2], "sampling_params": {"ignore_eos": True}}
+    reply = await post(short_mesh.http_url + "/generate", body)
+    assert reply.status == 200, reply.body
+    assert len(reply.body["output_ids"]) == 3
+    assert reply.body["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    body["sampling_params"]["max_new_tokens"] = 5  # the request's own wins
+    reply = await post(short_mesh.http_url + "/generate", body)
+    assert len(reply.body["output_ids"]) == 5
