@@ -25,6 +25,7 @@ VOCAB, EOS = 1000, 7  # the shared mesh's mock settings (tests/conftest.py)
 LOGPROB_KEYS = (
     "input_token_logprobs",
     "output_token_logprobs",
+    "output_token_logprobs_length",
     "input_token_ids_logprobs",
     "output_token_ids_logprobs",
 )

@@ -277,6 +277,7 @@ def test_meta_info_carries_sglangs_token_ids_logprob_lists() -> None:
         assert keys == [
             "input_token_logprobs",
             "output_token_logprobs",
+            "output_token_logprobs_length",
             "input_token_ids_logprobs",
             "output_token_ids_logprobs",
         ]
@@ -285,7 +286,9 @@ def test_meta_info_carries_sglangs_token_ids_logprob_lists() -> None:
         [[[-3.0, 5, None], [-4.0, 9, None]]],
         [[[-3.5, 5, None], [-4.5, 9, None]]],
     ]
+    assert [r["meta_info"]["output_token_logprobs_length"] for r in records] == [1, 2]
     folded = fold(records, MERGE_RULES, JOINERS)["meta_info"]
+    assert folded["output_token_logprobs_length"] == 2
     assert folded["input_token_ids_logprobs"] == input_lists
     assert folded["output_token_ids_logprobs"] == [
         [[-3.0, 5, None], [-4.0, 9, None]],
@@ -429,3 +432,8 @@ def test_cache_salt_wins_over_extra_key_and_empty_is_none() -> None:
 
 def test_session_id_is_a_routing_hint() -> None:
     assert bind({"input_ids": [1], "session_id": "s-1"}).items[0].routing.session == "s-1"
+
+
+def test_a_lora_path_list_of_the_wrong_length_is_sglangs_refusal() -> None:
+    message = refused({"input_ids": [[1], [2]], "lora_path": ["a"]})
+    assert message == "lora_path list length (1) must match batch size (2)"

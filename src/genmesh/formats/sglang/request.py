@@ -194,6 +194,10 @@ def _per_prompt(body: Mapping[str, Any], key: str, count: int, single: bool) -> 
         kind = "string" if key in ("extra_key", "cache_salt") else "scalar"
         raise value_error(f"{key} should be a {kind} for a single request.")
     if len(value) != count:
+        if key == "lora_path":  # SGLang's normalize_lora_paths
+            raise value_error(
+                f"lora_path list length ({len(value)}) must match batch size ({count})"
+            )
         raise value_error(f"The length of {key} should be equal to the batch size.")
     return value
 

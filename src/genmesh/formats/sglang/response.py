@@ -30,6 +30,7 @@ MERGE_RULES: dict[str, Rule] = {
     "meta_info.input_token_logprobs": Rule.PROMPT,
     "meta_info.input_top_logprobs": Rule.PROMPT,
     "meta_info.output_token_logprobs": Rule.DELTA,
+    "meta_info.output_token_logprobs_length": Rule.ATTEMPT,
     "meta_info.output_top_logprobs": Rule.DELTA,
     "meta_info.input_token_ids_logprobs": Rule.PROMPT,
     "meta_info.output_token_ids_logprobs": Rule.DELTA,
@@ -138,6 +139,9 @@ class SglangExchange(Exchange):
             self._note_prompt_logprobs(item, frame)
             meta["input_token_logprobs"] = item.input_logprobs
             meta["output_token_logprobs"] = _triples(frame.get("logprobs") or [], tokens)
+            # Newest SGLang: the length of the whole output logprob list so far (a running
+            # total even when the list itself streams as deltas).
+            meta["output_token_logprobs_length"] = item.completion_tokens
             if opts.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = item.input_top_logprobs
                 meta["output_top_logprobs"] = _top_triples(frame.get("top_logprobs") or [])
