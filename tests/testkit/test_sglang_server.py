@@ -947,14 +947,18 @@ async def test_greedy_temperature_makes_top_k_zero_acceptable() -> None:
         ({"input_ids": []}, "input_ids cannot be empty."),
         ({}, "Either text, input_ids or input_embeds should be provided."),
         (
+            {"input_ids": [1], "return_logprob": True, "token_ids_logprob": [3, 1000]},
+            "token_ids_logprob contains out-of-vocabulary token id 1000; valid range is [0, 1000).",
+        ),
+        (
             {"input_ids": [1] * 4096},
             "The input (4096 tokens) is longer than the model's context length (4096 tokens).",
         ),
         (
-            {"input_ids": [1] * 96, "sampling_params": {"max_new_tokens": 4000}},
+            {"input_ids": [1] * 96, "sampling_params": {"max_new_tokens": 4001}},
             "Requested token count exceeds the model's maximum context length of 4096 "
-            "tokens. You requested a total of 4096 tokens: 96 tokens from the input "
-            "messages and 4000 tokens for the completion. Please reduce the number of "
+            "tokens. You requested a total of 4097 tokens: 96 tokens from the input "
+            "messages and 4001 tokens for the completion. Please reduce the number of "
             "tokens in the input messages or the completion to fit within the limit.",
         ),
         (
@@ -972,6 +976,15 @@ async def test_rejected_requests(body: dict[str, Any], message: str) -> None:
     assert unary.body == {"error": {"message": message}}
     assert streamed.status == 200
     assert streamed.events == [{"error": {"message": message}}, "[DONE]"]
+
+
+async def test_prompt_plus_max_new_tokens_exactly_at_the_context_is_served() -> None:
+    """`_validate_one_request` refuses only a total beyond the context length."""
+    body = {"input_ids": [1] * 96, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    async with sglang() as url:
+        reply = await generate(url, body)
+    assert reply.status == 200, reply.body
+    assert reply.body["meta_info"]["prompt_tokens"] == 96
 
 
 @pytest.mark.parametrize(

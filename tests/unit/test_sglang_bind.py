@@ -20,11 +20,8 @@ from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.merge import Merger, fold
 from genmesh.formats.sglang import SglangFormat, request
 from genmesh.formats.sglang.request import (
-    _INTERNAL,
-    _PASSTHROUGH,
-    _UNSUPPORTED,
-    DEFAULT_MAX_NEW_TOKENS,
-    KNOWN_FIELDS,
+    INTERNAL,
+    UNSUPPORTED,
     ItemOptions,
     SglangOptions,
 )
@@ -34,6 +31,7 @@ from genmesh.formats.sglang.response import (
     SglangExchange,
     native_finish_reason,
 )
+from genmesh.formats.sglang.sampling import DEFAULT_MAX_NEW_TOKENS
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -126,88 +124,144 @@ def test_bind_takes_parsed_json_not_bytes() -> None:
     assert env.token_ids == [4, 5]
     with pytest.raises(RequestRejected) as info:
         request.bind(b'{"input_ids": [4, 5]}', {})
-    assert_legacy(info.value, "request body must be a JSON object, got bytes")
+    assert_legacy(info.value, "Input should be a dictionary or an instance of GenerateReqInput")
 
 
 # ---------------------------------------------------------------- legacy-shape rejections
+# What FastAPI refuses before SGLang's code runs (pydantic's lax mode on GenerateReqInput),
+# worded as SGLang's RequestValidationError handler words it.
+
+NON_INT64 = "contains non-int64 element"
 
 
 @pytest.mark.parametrize(
     ("raw", "fragment"),
     [
-        (b"", "request body is not valid JSON"),
-        (b"{input_ids: [1]}", "request body is not valid JSON"),
-        (b"\xff\xfe\x00garbage", "request body is not valid JSON"),
-        (b"[1, 2, 3]", "request body must be a JSON object, got list"),
-        (b'"hello"', "request body must be a JSON object, got str"),
-        (b"null", "request body must be a JSON object, got NoneType"),
-        (b"42", "request body must be a JSON object, got int"),
-        (json.dumps({"input_ids": "1 2 3"}).encode(), "input_ids: Input should be a valid list"),
-        (json.dumps({"input_ids": {"0": 1}}).encode(), "input_ids: Input should be a valid list"),
-        (json.dumps({"input_ids": [1, "2"]}).encode(), "input_ids[1]: Input should be a valid int"),
-        (json.dumps({"input_ids": [1, True]}).encode(), "input_ids[1]"),
-        (json.dumps({"input_ids": [1.5]}).encode(), "input_ids[0]"),
+        (b"", "{'type': 'missing', 'loc': ('body',), 'msg': 'Field required'"),
+        (b"{input_ids: [1]}", "'type': 'json_invalid', 'loc': ('body', 1)"),
+        (b"{input_ids: [1]}", "'ctx': {'error': 'Expecting property name enclosed in double"),
+        (b"\xff\xfe\x00garbage", "'msg': 'JSON decode error'"),
+        (b"[1, 2, 3]", "Input should be a dictionary or an instance of GenerateReqInput"),
+        (b'"hello"', "'type': 'dataclass_type', 'loc': ('body',)"),
+        (b"null", "'type': 'dataclass_type', 'loc': ('body',)"),
+        (b"42", "'type': 'dataclass_type', 'loc': ('body',)"),
+        (json.dumps({"input_ids": "1 2 3"}).encode(), "must be list or null; got str"),
+        (json.dumps({"input_ids": {"0": 1}}).encode(), "must be list or null; got dict"),
+        (json.dumps({"input_ids": [1, "2"]}).encode(), NON_INT64),
+        (json.dumps({"input_ids": [1.5]}).encode(), "elements must be int or list; got float"),
+        (batch([1], [1.5]), "row 1: elements must be int; got float"),
+        (json.dumps({"input_ids": [2**63]}).encode(), NON_INT64),
         # not a batch (the first entry is a token), so a nested list is a bad token
-        (json.dumps({"input_ids": [1, [2]]}).encode(), "input_ids[1]: Input should be a valid int"),
+        (json.dumps({"input_ids": [1, [2]]}).encode(), NON_INT64),
         # a batch (the first entry is a list): every entry must be a list of tokens
-        (batch([1, 2], 3), "input_ids[1]: Input should be a valid list (batch items are lists)"),
-        (batch([1], [2, "x"]), "input_ids[1][1]: Input should be a valid integer"),
-        (batch([1], [[2]]), "input_ids[1][0]: Input should be a valid integer"),
-        (batch([True]), "input_ids[0][0]: Input should be a valid integer"),
-        (body(rid=5), "rid: Input should be a valid string"),
-        (batch([1], [2], rid=5), "rid: Input should be a valid string"),
-        (body(sampling_params="greedy"), "sampling_params: Input should be a valid dictionary"),
-        (body(sampling_params=3), "sampling_params: Input should be a valid dictionary"),
+        (batch([1, 2], 3), "row 1: must be list; got int"),
+        (batch([1], [2, "x"]), f"row 1: {NON_INT64}"),
+        (batch([1], [[2]]), "row 1: elements must be int; got list"),
+        (json.dumps({"input_ids": ["a"]}).encode(), "elements must be int or list; got str"),
+        (body(rid=5), "'loc': ('body', 'rid', 'str'), 'msg': 'Input should be a valid string'"),
+        (batch([1], [2], rid=5), "'loc': ('body', 'rid', 'list[str]')"),
+        (body(sampling_params="greedy"), "Input should be a valid dictionary"),
+        (body(sampling_params=3), "'loc': ('body', 'sampling_params', 'dict[str,any]')"),
+        (batch([1], [2], sampling_params=[{}, "greedy"]), "Input should be a valid dictionary"),
+        (batch([1], [2], sampling_params=[{}, None]), "Input should be a valid dictionary"),
+        (body(stream=None), "'loc': ('body', 'stream'), 'msg': 'Input should be a valid boolean"),
+        (batch([1], [2], stream=[True, False]), "'loc': ('body', 'stream')"),
+        (body(priority="high"), "'loc': ('body', 'priority'), 'msg': 'Input should be a valid"),
+        (body(extra_key=5), "'loc': ('body', 'extra_key', 'str')"),
+        (body(return_logprob="maybe"), "'loc': ('body', 'return_logprob', 'bool')"),
+        (body(token_ids_logprob=5), "'loc': ('body', 'token_ids_logprob'"),
+        (body(token_ids_logprob=["a"]), "'loc': ('body', 'token_ids_logprob'"),
+        (body(bootstrap_host=1), "'loc': ('body', 'bootstrap_host'"),
+        # sampling_params: SGLang checks no types there (a wrong one fails later with a
+        # 500); genmesh checks them strictly, and says where.
+        (sp(max_new_tokens="10"), "'loc': ('body', 'sampling_params', 'max_new_tokens')"),
+        (sp(max_new_tokens=1.5), "'loc': ('body', 'sampling_params', 'max_new_tokens')"),
+        (sp(max_new_tokens=True), "'loc': ('body', 'sampling_params', 'max_new_tokens')"),
+        (sp(min_new_tokens="1"), "'loc': ('body', 'sampling_params', 'min_new_tokens')"),
+        (sp(n="2"), "'loc': ('body', 'sampling_params', 'n')"),
+        (sp(n=True), "'loc': ('body', 'sampling_params', 'n')"),
+        (sp(n=2.0), "'loc': ('body', 'sampling_params', 'n')"),
+        (sp(temperature="hot"), "'sampling_params', 'temperature'), 'msg': 'Input should be"),
+        (sp(temperature=True), "'sampling_params', 'temperature')"),
+        (sp(top_p=[1]), "'sampling_params', 'top_p')"),
+        (sp(min_p="0"), "'sampling_params', 'min_p')"),
+        (sp(top_k=1.5), "'sampling_params', 'top_k'), 'msg': 'Input should be a valid integer"),
+        (sp(frequency_penalty="x"), "'sampling_params', 'frequency_penalty')"),
+        (sp(presence_penalty=False), "'sampling_params', 'presence_penalty')"),
+        (sp(repetition_penalty="1"), "'sampling_params', 'repetition_penalty')"),
+        (sp(stop_token_ids=7), "'sampling_params', 'stop_token_ids')"),
+        (sp(stop_token_ids=[1, "2"]), "'sampling_params', 'stop_token_ids', 1)"),
+        (sp(stop_token_ids=[True]), "'sampling_params', 'stop_token_ids', 0)"),
+        (sp(sampling_seed="7"), "'sampling_params', 'sampling_seed')"),
+        (sp(ignore_eos="yes"), "'sampling_params', 'ignore_eos'), 'msg': 'Input should be a"),
+        (sp(ignore_eos=1), "'sampling_params', 'ignore_eos')"),
+        (sp(json_schema={"type": "object"}), "'sampling_params', 'json_schema')"),
         (
-            batch([1], [2], sampling_params=[{}, "greedy"]),
-            "sampling_params: Input should be a valid dictionary",
+            batch([1], [2], sampling_params=[{}, {"top_k": "5"}]),
+            "'loc': ('body', 'sampling_params', 1, 'top_k')",
         ),
-        (sp(max_new_tokens="10"), "sampling_params.max_new_tokens: Input should be a valid int"),
-        (sp(max_new_tokens=1.5), "sampling_params.max_new_tokens"),
-        (sp(max_new_tokens=True), "sampling_params.max_new_tokens"),
-        (sp(min_new_tokens="1"), "sampling_params.min_new_tokens: Input should be a valid int"),
-        (sp(n="2"), "sampling_params.n: Input should be a valid integer"),
-        (sp(n=True), "sampling_params.n: Input should be a valid integer"),
-        (sp(n=2.0), "sampling_params.n: Input should be a valid integer"),
-        (sp(temperature="hot"), "sampling_params.temperature: Input should be a valid number"),
-        (sp(temperature=True), "sampling_params.temperature: Input should be a valid number"),
-        (sp(top_p=[1]), "sampling_params.top_p: Input should be a valid number"),
-        (sp(min_p="0"), "sampling_params.min_p: Input should be a valid number"),
-        (sp(top_k=1.5), "sampling_params.top_k: Input should be a valid integer"),
-        (sp(frequency_penalty="x"), "sampling_params.frequency_penalty"),
-        (sp(presence_penalty=False), "sampling_params.presence_penalty"),
-        (sp(repetition_penalty="1"), "sampling_params.repetition_penalty"),
-        (sp(stop_token_ids=7), "sampling_params.stop_token_ids: Input should be a list of token"),
-        (sp(stop_token_ids=[1, "2"]), "sampling_params.stop_token_ids"),
-        (sp(stop_token_ids=[True]), "sampling_params.stop_token_ids"),
-        (sp(stop_token_ids=[-1]), "sampling_params.stop_token_ids"),
-        (sp(stop_token_ids=[2**31]), "sampling_params.stop_token_ids"),
-        (sp(sampling_seed="7"), "sampling_params.sampling_seed: Input should be a valid integer"),
-        (sp(ignore_eos="yes"), "sampling_params.ignore_eos: Input should be a valid boolean"),
-        (sp(ignore_eos=1), "sampling_params.ignore_eos: Input should be a valid boolean"),
-        (body(stream="yes"), "stream: Input should be a valid boolean"),
-        (batch([1], [2], stream=[True, False]), "stream: Input should be a valid boolean"),
-        (body(return_logprob=1), "return_logprob: Input should be a valid boolean"),
-        (batch([1], [2], return_logprob=[True, 1]), "return_logprob: Input should be a valid"),
-        (body(logprob_start_len="0"), "logprob_start_len: Input should be a valid integer"),
-        (batch([1], [2], logprob_start_len=[0, "0"]), "logprob_start_len: Input should be a"),
-        (body(top_logprobs_num=1.0), "top_logprobs_num: Input should be a valid integer"),
-        (batch([1], [2], top_logprobs_num=[1.0, 0]), "top_logprobs_num: Input should be a valid"),
-        (body(routed_dp_rank="0"), "routed_dp_rank: Input should be a valid integer"),
-        (body(data_parallel_rank=True), "data_parallel_rank: Input should be a valid integer"),
-        (body(priority="high"), "priority: Input should be a valid integer"),
-        (body(extra_key=5), "extra_key: Input should be a valid string"),
-        (body(return_routed_experts="yes"), "return_routed_experts: Input should be a valid"),
-        (body(routed_experts_start_len="0"), "routed_experts_start_len: Input should be a"),
+        (sp(temperature=10**400), "'sampling_params', 'temperature')"),
     ],
 )
 def test_type_errors_use_the_legacy_shape(raw: bytes, fragment: str) -> None:
     assert_legacy(rejected(raw), fragment)
 
 
-def test_deeply_nested_body_is_rejected() -> None:
+def test_legacy_message_is_fastapis_summary_then_the_error_list() -> None:
+    exc = rejected(body(rid=5, priority="x"))
+    errors = [
+        {"type": "string_type", "loc": ("body", "rid", "str"), "msg": "Input should be a valid "
+         "string", "input": 5},
+        {"type": "list_type", "loc": ("body", "rid", "list[str]"), "msg": "Input should be a "
+         "valid list", "input": 5},
+        {"type": "int_parsing", "loc": ("body", "priority"), "msg": "Input should be a valid "
+         "integer, unable to parse string as an integer", "input": "x"},
+    ]  # fmt: skip
+    lines = "".join(f"\n  {err}" for err in errors)
+    assert exc.message == f"3 validation errors:{lines} {errors}"
+
+
+def test_a_body_that_cannot_be_read_is_fastapis_http_exception() -> None:
     exc = rejected(b"[" * 100_000)
-    assert_legacy(exc, "request body is not valid JSON")
+    assert exc.status == 400
+    assert exc.body == {
+        "object": "error",
+        "message": "There was an error parsing the body",
+        "type": "400",
+        "param": None,
+        "code": 400,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "check"),
+    [
+        # pydantic's lax mode, as FastAPI validates SGLang's body
+        ({"stream": "yes"}, lambda b: b.stream is True),
+        ({"stream": 0}, lambda b: b.stream is False),
+        ({"return_logprob": 1}, lambda b: b.items[0].output.logprobs is True),
+        (
+            {"logprob_start_len": "0", "return_logprob": "true"},
+            lambda b: b.items[0].output.prompt_logprobs_start == 0,
+        ),
+        (
+            {"top_logprobs_num": 2.0, "return_logprob": True},
+            lambda b: b.items[0].output.top_logprobs == 2,
+        ),
+        ({"routed_dp_rank": "1"}, lambda b: b.items[0].routing.dp_rank == 1),
+        ({"data_parallel_rank": True}, lambda b: b.items[0].routing.dp_rank == 1),
+        (
+            {"return_routed_experts": "yes", "routed_experts_start_len": "1"},
+            lambda b: b.items[0].output.routed_experts_start == 1,
+        ),
+        # booleans are ints to SGLang's input_ids check
+        ({"input_ids": [1, True]}, lambda b: b.items[0].token_ids == [1, 1]),
+        # text beside input_ids: the ids are the prompt (SGLang's precedence)
+        ({"text": "Hello"}, lambda b: b.items[0].token_ids == [1, 2, 3]),
+    ],
+)  # fmt: skip
+def test_lax_values_sglang_accepts_are_accepted(fields: dict[str, Any], check: Any) -> None:
+    assert check(ok(body(**fields)))
 
 
 # ---------------------------------------------------------------- value rejections
@@ -217,11 +271,10 @@ def test_deeply_nested_body_is_rejected() -> None:
     ("raw", "fragment"),
     [
         # prompts
-        (json.dumps({"text": "Hello"}).encode(), "text prompts need a tokenizer"),
-        (body(text="Hello"), "send input_ids instead"),
-        (json.dumps({"text": ["a", "b"]}).encode(), "text prompts need a tokenizer"),
-        (json.dumps({}).encode(), "Either text or input_ids should be provided."),
-        (json.dumps({"input_ids": None}).encode(), "Either text or input_ids should be provided."),
+        (json.dumps({"text": "Hello"}).encode(), request.SKIP_TOKENIZER_TEXT),
+        (json.dumps({"text": ["a", "b"]}).encode(), "cannot accept text prompts"),
+        (json.dumps({}).encode(), "Either text, input_ids or input_embeds should be provided."),
+        (json.dumps({"input_ids": None}).encode(), "Either text, input_ids or input_embeds"),
         (json.dumps({"input_ids": []}).encode(), "input_ids cannot be empty."),
         (json.dumps({"input_ids": [[]]}).encode(), "input_ids cannot be empty."),
         (batch([1, 2], []), "input_ids cannot be empty."),
@@ -230,13 +283,17 @@ def test_deeply_nested_body_is_rejected() -> None:
         (batch([1], [2, -1]), "input_ids[1][1]: token id -1 is out of range"),
         (batch([2**31]), "input_ids[0][0]: token id 2147483648 is out of range"),
         # batch-only forms on a single request
-        (body(rid=["a", "b"]), "rid: a list is only allowed with batch input_ids"),
-        (body(rid=["a"]), "rid: a list is only allowed with batch input_ids"),
-        (body(sampling_params=[{}, {}]), "sampling_params: a list is only allowed with batch"),
-        (body(sampling_params=[{}]), "sampling_params: a list is only allowed with batch"),
-        (body(return_logprob=[True]), "return_logprob: a list is only allowed with batch"),
-        (body(logprob_start_len=[0]), "logprob_start_len: a list is only allowed with batch"),
-        (body(top_logprobs_num=[1]), "top_logprobs_num: a list is only allowed with batch"),
+        (body(rid=["a", "b"]), "The rid should be a string for a single request."),
+        (body(rid=["a"]), "The rid should be a string for a single request."),
+        (
+            body(sampling_params=[{}, {}]),
+            "sampling_params should be a scalar for a single request.",
+        ),
+        (body(sampling_params=[{}]), "sampling_params should be a scalar for a single request."),
+        (body(return_logprob=[True]), "return_logprob should be a scalar for a single request."),
+        (body(logprob_start_len=[0]), "logprob_start_len should be a scalar for a single"),
+        (body(top_logprobs_num=[1]), "top_logprobs_num should be a scalar for a single request."),
+        (body(token_ids_logprob=[[1], [2]]), "token_ids_logprob must be a flat list of integers."),
         # parallel sampling
         (sp(n=0), "sampling_params.n must be at least 1, got 0"),
         (sp(n=-3), "sampling_params.n must be at least 1, got -3"),
@@ -247,93 +304,167 @@ def test_deeply_nested_body_is_rejected() -> None:
             "min_new_tokens must be in [0, max_new_tokens(4)], got 5.",
         ),
         (sp(min_new_tokens=129), "min_new_tokens must be in [0, max_new_tokens(128)], got 129."),
-        (sp(min_new_tokens=-1), "min_new_tokens must be in [0, max_new_tokens(128)], got -1."),
-        # sampling ranges (SGLang's wording)
-        (sp(temperature=-0.1), "temperature must be non-negative, got -0.1."),
+        (sp(min_new_tokens=-1), "min_new_tokens must be in [0, max_new_tokens], got -1."),
+        # sampling ranges (SGLang's SamplingParams.verify wording)
+        (sp(temperature=-0.1), "temperature must be a non-negative finite number, got -0.1."),
         (sp(top_p=0), "top_p must be in (0, 1], got 0.0."),
         (sp(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
-        (sp(top_k=0), "top_k must be -1 (disable), or at least 1, got 0."),
-        (sp(top_k=-2), "top_k must be -1 (disable), or at least 1, got -2."),
+        (sp(top_k=0), "top_k must be -1 (disable) or at least 1, got 0."),
+        (sp(top_k=-2), "top_k must be -1 (disable) or at least 1, got -2."),
         (sp(min_p=-0.01), "min_p must be in [0, 1], got -0.01."),
         (sp(min_p=1.01), "min_p must be in [0, 1], got 1.01."),
         (sp(frequency_penalty=2.5), "frequency_penalty must be in [-2, 2], got 2.5."),
         (sp(frequency_penalty=-2.01), "frequency_penalty must be in [-2, 2], got -2.01."),
         (sp(presence_penalty=-3), "presence_penalty must be in [-2, 2], got -3.0."),
-        (sp(repetition_penalty=0), "repetition_penalty must be in (0, 2], got 0.0."),
-        (sp(repetition_penalty=2.1), "repetition_penalty must be in (0, 2], got 2.1."),
+        (
+            sp(repetition_penalty=0),
+            "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0.",
+        ),
+        (
+            sp(repetition_penalty=2.1),
+            "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 2.1.",
+        ),
         (
             b'{"input_ids": [1], "sampling_params": {"temperature": Infinity}}',
-            "temperature must be a finite number, got inf.",
+            "temperature must be a non-negative finite number, got inf.",
         ),
         (
             b'{"input_ids": [1], "sampling_params": {"top_p": NaN}}',
-            "top_p must be a finite number, got nan.",
+            "top_p must be in (0, 1], got nan.",
         ),
-        # stop strings and guided decoding
-        (sp(stop="\n"), "stop strings need a tokenizer"),
-        (sp(stop=["</s>"]), "use stop_token_ids"),
+        (sp(logit_bias={"x": 1.0}), "invalid literal for int() with base 10: 'x'"),
+        (sp(logit_bias={"-1": 1.0}), "logit_bias must has keys in [0, vocab_size - 1], got -1."),
+        (sp(stop_token_ids=[-1]), "stop_token_ids: token id -1 is out of range"),
+        (sp(stop_token_ids=[2**31]), "stop_token_ids: token id 2147483648 is out of range"),
+        # a key SamplingParams does not take: SGLang's SamplingParams(**params) refuses it
+        (sp(foo=1), "Unexpected keyword argument 'foo'"),
+        (sp(max_tokens=5), "Unexpected keyword argument 'max_tokens'"),
+        # what needs a tokenizer, in SGLang's words
+        (
+            sp(stop="\n"),
+            "stop=['\\n'] is unavailable when skip_tokenizer_init=True (requires tokenizer "
+            "to decode tokens to text for matching).",
+        ),
+        (sp(stop=["</s>"]), "stop=['</s>'] is unavailable when skip_tokenizer_init=True"),
+        (sp(stop=""), "stop=[''] is unavailable"),
+        (sp(stop_regex="a+"), "stop_regex=['a+'] is unavailable when skip_tokenizer_init=True"),
+        # guided decoding
         (sp(regex="a+", json_schema="{}"), "Only one of regex, json_schema, or ebnf can be set."),
         (sp(regex="a+", ebnf="root ::= 'a'"), "Only one of regex, json_schema, or ebnf"),
         (sp(json_schema="{}", ebnf="x", regex="y"), "Only one of regex, json_schema, or ebnf"),
-        # logprobs
+        (sp(beam_width=2), "beam search (sampling_params.beam_width) is not supported"),
+        # logprobs (the scheduler's 400 abort, in its words)
         (
             body(return_logprob=True, logprob_start_len=3),
-            "logprob_start_len (3) is higher than the number of input tokens (3). "
-            "Request with a lower logprob_start_len.",
+            "req.logprob_start_len=3 is higher than the number of input tokens "
+            "len(req.origin_input_ids)=3. Please use a smaller logprob_start_len.",
         ),
-        (body(return_logprob=True, logprob_start_len=10), "logprob_start_len (10)"),
+        (body(return_logprob=True, logprob_start_len=10), "req.logprob_start_len=10 is higher"),
         (body(logprob_start_len=-2), "logprob_start_len must be >= -1, got -2"),
         (body(top_logprobs_num=-1), "top_logprobs_num must be >= 0, got -1"),
-        # routing
+        (body(token_ids_logprob=[-1]), "token_ids_logprob contains out-of-vocabulary token id -1"),
+        # routing and sessions
         (body(routed_dp_rank=-1), "the data-parallel rank must be >= 0, got -1"),
         (body(data_parallel_rank=-3), "the data-parallel rank must be >= 0, got -3"),
+        (body(session_id="s", session_params={}), "session_id and session_params cannot both"),
+        (
+            body(return_flat_raw_top_logprobs_b64=True),
+            "return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs.",
+        ),
     ],
 )
 def test_value_errors_use_the_error_shape(raw: bytes, fragment: str) -> None:
     assert_value(rejected(raw), fragment)
 
 
-def test_unknown_top_level_fields_are_listed() -> None:
-    exc = rejected(body(zeta=1, alpha=2, sampling_params={}))
-    assert_value(exc, "unsupported top-level SGLang generate field(s): alpha, zeta")
+def test_unknown_top_level_fields_are_ignored_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SGLang (FastAPI over a dataclass) ignores fields it does not know; sglang-router
+    0.3.x adds `model` and `return_bytes` to every body."""
+    name = "zeta_field_for_this_test"
+    with caplog.at_level("INFO", logger="genmesh.formats"):
+        for _ in range(3):
+            env = single(ok(body(**{name: 1, "model": "m", "return_bytes": False})))
+            assert env.token_ids == [1, 2, 3]
+            # Unknown fields stay out of the engine's native payload.
+            assert env.engine == {"return_bytes": False}
+    mentions = [r for r in caplog.records if name in r.getMessage()]
+    assert len(mentions) == 1
+    assert "sglang" in mentions[0].getMessage()
 
 
-def test_unknown_fields_reported_before_anything_else() -> None:
-    # even with a missing prompt, the unknown field is what the client hears about
+def test_unknown_fields_do_not_hide_a_missing_prompt() -> None:
     exc = rejected(json.dumps({"prompt": "hi"}).encode())
-    assert_value(exc, "field(s): prompt")
+    assert_value(exc, "Either text, input_ids or input_embeds should be provided.")
 
 
-@pytest.mark.parametrize("field", _INTERNAL)
+INTERNAL_VALUES = {
+    "bootstrap_host": ("h", ["h", "i"]),
+    "bootstrap_port": (8998, [1, 2]),
+    "bootstrap_room": (7, [1, 2]),
+    "bootstrap_pair_key": ("k", ["k", "l"]),
+    "decode_tp_size": (2, [2, 2]),
+    "disagg_prefill_dp_rank": (1, 1),
+}
+
+
+@pytest.mark.parametrize("field", INTERNAL)
 def test_internal_bootstrap_fields_refused(field: str) -> None:
-    exc = rejected(body(**{field: 1}))
+    scalar, listed = INTERNAL_VALUES[field]
+    exc = rejected(body(**{field: scalar}))
     assert_value(exc, f"`{field}` is internal routing state and cannot be set by clients")
-    exc = rejected(batch([1], [2], **{field: [1, 2]}))
+    exc = rejected(batch([1], [2], **{field: listed}))
     assert_value(exc, f"`{field}` is internal routing state")
 
 
 def test_internal_fields_may_be_null() -> None:
-    bound = ok(body(**dict.fromkeys(_INTERNAL)))
+    bound = ok(body(**dict.fromkeys(INTERNAL)))
     assert single(bound).token_ids == [1, 2, 3]
 
 
-@pytest.mark.parametrize(("field", "reason"), sorted(_UNSUPPORTED.items()))
+# Per field of UNSUPPORTED: a value that asks for it, and values that ask for nothing.
+UNSUPPORTED_VALUES: dict[str, tuple[Any, list[Any]]] = {
+    "input_embeds": ([[0.5, 0.25]], [None, []]),
+    "image_data": ("http://x/cat.png", [None, [], "", [None], {}]),
+    "video_data": ("v.mp4", [None, [], ""]),
+    "audio_data": ("a.wav", [None, [], ""]),
+    "return_hidden_states": (True, [None, False, [False]]),
+    "custom_logit_processor": ("{}", [None, "", [None]]),
+    "session_params": ({"id": "s"}, [None, {}]),
+    "return_sampling_mask": (True, [None, False]),
+    "return_flat_raw_top_logprobs": (True, [False]),
+    "return_indexer_topk": (True, [False]),
+    "positional_embed_overrides": ({"embeds": []}, [None]),
+    "multi_item_delimiter_indices": ([3], [None, []]),
+    "max_thinking_tokens": (64, [None]),
+}
+
+
+def test_every_unsupported_field_has_values_to_test() -> None:
+    assert set(UNSUPPORTED_VALUES) == set(UNSUPPORTED)
+
+
+@pytest.mark.parametrize(("field", "reason"), sorted(UNSUPPORTED.items()))
 def test_unsupported_fields_refused(field: str, reason: str) -> None:
-    value: Any = {"id": "s"} if field == "session_params" else "x"
-    if field == "return_hidden_states":
-        value = True
-    exc = rejected(body(**{field: value}))
+    exc = rejected(body(**{field: UNSUPPORTED_VALUES[field][0]}))
     assert_value(exc, reason)
     assert exc.message == reason
 
 
-@pytest.mark.parametrize("empty", [None, False, [], {}])
-@pytest.mark.parametrize("field", sorted(_UNSUPPORTED))
+@pytest.mark.parametrize(
+    ("field", "empty"),
+    [
+        (field, empty)
+        for field, (_, empties) in sorted(UNSUPPORTED_VALUES.items())
+        for empty in empties
+    ],
+)
 def test_unsupported_fields_with_empty_values_accepted(field: str, empty: Any) -> None:
     assert single(ok(body(**{field: empty}))).engine[field] == empty
 
 
-@pytest.mark.parametrize("stop", [None, [], ""])
+@pytest.mark.parametrize("stop", [None, []])
 def test_empty_stop_accepted(stop: Any) -> None:
     assert single(ok(sp(stop=stop))).sampling.stop_token_ids == []
 
@@ -370,13 +501,42 @@ def test_logprob_start_len_only_checked_with_return_logprob() -> None:
     assert single(bound).output == OutputOptions()
 
 
-@pytest.mark.parametrize("field", sorted(_PASSTHROUGH))
-def test_passthrough_fields_accepted_and_kept(field: str) -> None:
-    assert field in KNOWN_FIELDS
-    engine = single(ok(body(**{field: "v"}))).engine
-    assert engine[field] == "v"
+# Fields SGLang accepts that change nothing genmesh does (or that a real SGLang engine
+# behind an adapter reads from the native payload), each with a value that is not its default.
+ACCEPTED = {
+    "lora_path": "adapter",
+    "return_text_in_logprobs": True,
+    "modalities": ["image"],
+    "background": True,
+    "conversation_id": "c-1",
+    "custom_labels": {"team": "x"},
+    "no_logs": True,
+    "return_entropy": True,
+    "return_prompt_token_ids": True,
+    "log_metrics": False,
+    "require_reasoning": True,
+    "routing_key": "k",
+    "return_bytes": True,
+    "kv_router_hint": {"source_control_endpoint": "e", "block_hashes": []},
+    "use_audio_in_video": True,
+    "video_config": {"fps": 2},
+    "mm_hashes": ["ab"],
+    "lora_id": "l",
+    "http_worker_ipc": "ipc://x",
+    "external_trace_header": {"traceparent": "00-x"},
+    "received_time": 1.5,
+    "need_wait_for_mm_inputs": False,
+    "encoder_urls": ["http://e"],
+    "max_dynamic_patch": 4,
+    "images_config": {"k": 1},
+}
+
+
+@pytest.mark.parametrize(("field", "value"), sorted(ACCEPTED.items()))
+def test_accepted_fields_are_kept_in_the_native_payload(field: str, value: Any) -> None:
+    engine = single(ok(body(**{field: value}))).engine
     # Nothing else of the body leaks into the engine payload.
-    assert engine == {field: "v"}
+    assert engine == {field: value}
 
 
 # ---------------------------------------------------------------- projection
@@ -492,7 +652,6 @@ def test_logprob_options_ignored_without_return_logprob() -> None:
 def test_stream_flag() -> None:
     assert ok(body(stream=True)).stream is True
     assert ok(body(stream=False)).stream is False
-    assert ok(body(stream=None)).stream is False
     assert ok(batch([1], [2], stream=True)).stream is True
     assert ok(body(stream=True, sampling_params={"n": 2})).stream is True
 
@@ -582,9 +741,10 @@ def test_batch_envelopes_are_valid_on_the_wire() -> None:
             [1, 2, 3],
             [4],
             rid="r",
-            return_logprob=[True, False],
+            return_logprob=True,
             top_logprobs_num=2,
             routed_dp_rank=1,
+            token_ids_logprob=[5, 9],
             sampling_params=[{"max_new_tokens": None, "n": 2}, {"stop_token_ids": [9], "n": 2}],
         )
     )
@@ -606,7 +766,7 @@ def test_format_object_delegates() -> None:
     assert fmt.parse(body(rid="x")) == {"input_ids": [1, 2, 3], "rid": "x"}
     with pytest.raises(RequestRejected) as info:
         fmt.parse(b"{nope")
-    assert_legacy(info.value, "request body is not valid JSON")
+    assert_legacy(info.value, "'msg': 'JSON decode error'")
     bound = fmt.bind(fmt.parse(body(rid="x")), {})
     assert bound.client_id == "x"
     # 5xx answers take SGLang's HTTPException shape; the rest {"error": {"message"}}.
@@ -726,16 +886,16 @@ def test_explicit_n_one_on_a_batch_is_one_item_per_prompt() -> None:
 def test_every_batch_entry_must_share_n() -> None:
     assert_value(
         rejected(batch([1], [2], sampling_params=[{"n": 1}, {"n": 2}])),
-        "sampling_params: every entry of a batch must have the same n",
+        "The parallel_sample_num should be the same for all samples in sample params.",
     )
     # a missing n is n = 1
     assert_value(
         rejected(batch([1], [2], sampling_params=[{}, {"n": 2}])),
-        "every entry of a batch must have the same n",
+        "The parallel_sample_num should be the same for all samples in sample params.",
     )
     assert len(ok(batch([1], [2], sampling_params=[{}, {"n": 1}])).items) == 2
     assert len(ok(batch([1], [2], sampling_params=[{"n": 2}, {"n": 2}])).items) == 4
-    assert len(ok(batch([1], [2], sampling_params=[None, {"n": None}])).items) == 2
+    assert len(ok(batch([1], [2], sampling_params=[{}, {"n": None}])).items) == 2
 
 
 # ---------------------------------------------------------------- per-prompt fields
@@ -746,11 +906,12 @@ def test_per_prompt_sampling_params() -> None:
         batch(
             [1],
             [2, 3],
-            sampling_params=[{"max_new_tokens": 4, "temperature": 0}, None],
+            sampling_params=[{"max_new_tokens": 4, "temperature": 0}, {}],
         )
     )
     first, second = bound.items
-    assert first.sampling == Sampling(max_tokens=4, temperature=0.0)
+    # SGLang's SamplingParams: a zero temperature is greedy, top_k = 1.
+    assert first.sampling == Sampling(max_tokens=4, temperature=0.0, top_k=1)
     assert second.sampling == Sampling(max_tokens=DEFAULT_MAX_NEW_TOKENS)
     assert [o.max_new_tokens for o in item_options(bound)] == [4, DEFAULT_MAX_NEW_TOKENS]
 
@@ -778,7 +939,7 @@ def test_each_prompts_sampling_params_are_validated() -> None:
 )
 def test_per_prompt_list_length_must_match_the_batch(field: str, values: list[Any]) -> None:
     exc = rejected(batch([1], [2], **{field: values}))
-    assert_value(exc, f"{field} has {len(values)} entries for 2 prompts")
+    assert_value(exc, f"The length of {field} should be equal to the batch size.")
 
 
 def test_per_prompt_logprob_fields() -> None:
@@ -813,10 +974,14 @@ def test_scalar_logprob_fields_apply_to_every_prompt() -> None:
 def test_logprob_start_len_is_checked_against_each_prompt() -> None:
     # a scalar start that fits the first prompt but not the second
     exc = rejected(batch([1, 2, 3], [4], return_logprob=True, logprob_start_len=1))
-    assert_value(exc, "logprob_start_len (1) is higher than the number of input tokens (1).")
+    assert_value(
+        exc,
+        "req.logprob_start_len=1 is higher than the number of input tokens "
+        "len(req.origin_input_ids)=1.",
+    )
     # per-prompt starts
     exc = rejected(batch([1, 2], [4, 5], return_logprob=[False, True], logprob_start_len=[5, 2]))
-    assert_value(exc, "logprob_start_len (2) is higher than the number of input tokens (2).")
+    assert_value(exc, "req.logprob_start_len=2 is higher than the number of input tokens")
     exc = rejected(batch([1], [2], logprob_start_len=[0, -2]))
     assert_value(exc, "logprob_start_len must be >= -1, got -2")
     exc = rejected(batch([1], [2], top_logprobs_num=[0, -1]))
@@ -853,12 +1018,15 @@ def test_a_list_of_rids_names_each_prompt() -> None:
 
 def test_rid_list_must_be_unique() -> None:
     exc = rejected(batch([1], [2], [3], rid=["a", "b", "a"]))
-    assert_value(exc, "rid: duplicate request ids in one batch")
+    assert_value(exc, "Duplicate request IDs detected within the request: ['a']")
 
 
 @pytest.mark.parametrize("rids", [["a"], ["a", "b", "c"], []])
 def test_rid_list_must_match_the_batch(rids: list[str]) -> None:
-    assert_value(rejected(batch([1], [2], rid=rids)), "rid: expected 2 strings, one per prompt")
+    assert_value(
+        rejected(batch([1], [2], rid=rids)),
+        "The specified rids length mismatch with the batch_size for batch processing.",
+    )
 
 
 @pytest.mark.parametrize("rids", [["a", 5], ["a", None], [["a"], "b"]])
@@ -909,7 +1077,7 @@ def test_n_above_one_keeps_the_client_id_of_the_request() -> None:
 
 
 def test_each_item_carries_its_own_native_fields() -> None:
-    sps = [{"max_new_tokens": 1, "custom": "a", "n": 2}, {"max_new_tokens": 2, "n": 2}]
+    sps = [{"max_new_tokens": 1, "no_stop_trim": True, "n": 2}, {"max_new_tokens": 2, "n": 2}]
     bound = ok(
         batch(
             [1, 2],
@@ -917,26 +1085,26 @@ def test_each_item_carries_its_own_native_fields() -> None:
             rid=["x", "y"],
             stream=True,
             sampling_params=sps,
-            return_logprob=[True, False],
-            logprob_start_len=[0, -1],
+            return_logprob=True,
+            logprob_start_len=0,
             top_logprobs_num=1,
-            lora_path="adapter",
+            lora_path=["adapter-a", "adapter-b"],
             custom_labels={"team": "t"},
             routed_dp_rank=0,
         )
     )
     shared = {
-        "lora_path": "adapter",
         "custom_labels": {"team": "t"},
         "routed_dp_rank": 0,
         "top_logprobs_num": 1,
+        "return_logprob": True,
+        "logprob_start_len": 0,
     }
     expected = [
         {
             **shared,
             "sampling_params": {**sps[b], "n": 1},  # each sample is one generation
-            "return_logprob": [True, False][b],
-            "logprob_start_len": [0, -1][b],
+            "lora_path": ["adapter-a", "adapter-b"][b],
         }
         for b in (0, 0, 1, 1)
     ]

@@ -23,6 +23,11 @@ class EngineOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    # With `output.logprob_token_ids`: per generated token, and per prompt position from
+    # `output.prompt_logprobs_start` (first entry None), the logprob of each of those token
+    # IDs at that position, as (token_id, logprob) in the order asked.
+    token_ids_logprobs: list[TopLogprobs] | None = None
+    prompt_token_ids_logprobs: list[TopLogprobs | None] | None = None
     # MoE routing rows (layers x top-k expert ids, flattened) of the positions this step
     # ran through the model: the prompt's from `output.routed_experts_start` on in the
     # first output, then one row per token for the token before it.

@@ -45,6 +45,10 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.OutputFrame:
         frame["prompt_ranks"] = out.prompt_ranks
     if out.prompt_top_logprobs is not None:
         frame["prompt_top_logprobs"] = out.prompt_top_logprobs
+    if out.token_ids_logprobs is not None:
+        frame["token_ids_logprobs"] = out.token_ids_logprobs
+    if out.prompt_token_ids_logprobs is not None:
+        frame["prompt_token_ids_logprobs"] = out.prompt_token_ids_logprobs
     if out.routed_experts is not None:
         frame["routed_experts"] = out.routed_experts
     if out.cached_tokens is not None:

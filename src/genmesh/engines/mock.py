@@ -306,6 +306,13 @@ class MockEngine:
                 ErrorCode.INVALID_ARGUMENT,
                 f"the mock engine serves no LoRA adapters; unknown lora_path {lora!r}",
             )
+        for tid in env.output.logprob_token_ids or ():
+            if tid >= c.vocab_size:
+                raise MeshError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"token_ids_logprob contains out-of-vocabulary token id {tid}; "
+                    f"valid range is [0, {c.vocab_size}).",
+                )
         if env.output.top_logprobs > MAX_TOP_LOGPROBS:
             raise MeshError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -331,11 +338,17 @@ class MockEngine:
         k = env.output.top_logprobs
         start = env.output.prompt_logprobs_start
         experts_from = env.output.routed_experts_start
+        # The listed token IDs' logprobs at a position: SGLang's token_ids_logprob.
+        listed = env.output.logprob_token_ids
+
+        def listed_at(at: int) -> TopLogprobs:
+            return [(tid, model.logprob(at, tid)) for tid in listed or ()]
 
         state = initial_state(env.sampling.seed or 0)
         prompt_lps: list[float | None] = []
         prompt_ranks: list[int | None] = []
         prompt_tops: list[TopLogprobs | None] = []
+        prompt_listed: list[TopLogprobs | None] = []
         rows: list[list[int]] = []
         for i, tid in enumerate(prompt):
             if start is not None and i >= start:
@@ -344,6 +357,7 @@ class MockEngine:
                 prompt_lps.append(lp)
                 prompt_ranks.append(rank)
                 prompt_tops.append(model.top(state, k) if k and i > start else None)
+                prompt_listed.append(listed_at(state) if listed and i > start else None)
             state = advance(state, tid)
             if experts_from is not None and i >= experts_from:
                 rows.append(self.experts.row(state))
@@ -362,6 +376,7 @@ class MockEngine:
                 first.prompt_logprobs = prompt_lps
                 first.prompt_ranks = prompt_ranks
                 first.prompt_top_logprobs = prompt_tops if k else None
+                first.prompt_token_ids_logprobs = prompt_listed if listed else None
             if experts_from is not None:
                 first.routed_experts = rows
             if budget == 0:
@@ -402,6 +417,8 @@ class MockEngine:
                     out.ranks = [model.score(state, token)[1]]
                 if k:
                     out.top_logprobs = [model.top(state, k)]
+                if listed:
+                    out.token_ids_logprobs = [listed_at(state)]
                 if experts_from is not None and n:
                     # The previous token's forward pass; the last token never gets one.
                     out.routed_experts = [self.experts.row(state)]

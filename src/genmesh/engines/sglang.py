@@ -60,6 +60,8 @@ _MAPPED_META = frozenset(
         "input_top_logprobs",
         "output_token_logprobs",
         "output_top_logprobs",
+        "input_token_ids_logprobs",
+        "output_token_ids_logprobs",
         "output_token_logprobs_length",
         "routed_experts",
     )
@@ -106,6 +108,10 @@ def sglang_body(env: Envelope, rid: str) -> dict[str, Any]:
             else out.prompt_logprobs_start
         )
         body["top_logprobs_num"] = out.top_logprobs
+        if out.logprob_token_ids:
+            body["token_ids_logprob"] = list(out.logprob_token_ids)
+        else:
+            body.pop("token_ids_logprob", None)
     if out.routed_experts_start is not None:
         body["return_routed_experts"] = True
         body["routed_experts_start_len"] = out.routed_experts_start
@@ -375,12 +381,19 @@ class SglangEngine(HttpEngineBase):
                 if wants.top_logprobs:
                     rows = cursor.delta(meta.get("output_top_logprobs") or [], total)
                     out.top_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
+                if wants.logprob_token_ids:
+                    rows = cursor.delta(meta.get("output_token_ids_logprobs") or [], total)
+                    out.token_ids_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
             if not delivered:
                 out.cached_tokens = int(meta.get("cached_tokens") or 0)
                 if wants.prompt_logprobs_start is not None:
                     out.prompt_logprobs = [t[0] for t in meta.get("input_token_logprobs") or []]
                     if wants.top_logprobs:
                         out.prompt_top_logprobs = _tops(meta.get("input_top_logprobs") or [])
+                    if wants.logprob_token_ids:
+                        out.prompt_token_ids_logprobs = _tops(
+                            meta.get("input_token_ids_logprobs") or []
+                        )
             if wants.routed_experts_start is not None and meta.get("routed_experts"):
                 out.routed_experts = [cursor.expert_delta(_int32(meta["routed_experts"]))]
             extras = {k: v for k, v in meta.items() if k not in _MAPPED_META}

@@ -161,15 +161,22 @@ class OutputOptions:
     prompt_logprobs_start: int | None = None
     # Position from which MoE routed-expert rows are wanted; None = not wanted.
     routed_experts_start: int | None = None
+    # Token IDs whose logprobs are wanted at every generated position (and every prompt
+    # position prompt logprobs are asked for), as SGLang's `token_ids_logprob`; None = none.
+    logprob_token_ids: list[int] | None = None
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> OutputOptions:
         w = "output."
+        token_ids = obj.get("logprob_token_ids")
         return cls(
             logprobs=_bool(obj, "logprobs", w),
             top_logprobs=_int(obj, "top_logprobs", w, default=0, minimum=0) or 0,
             prompt_logprobs_start=_int(obj, "prompt_logprobs_start", w, default=None, minimum=0),
             routed_experts_start=_int(obj, "routed_experts_start", w, default=None, minimum=0),
+            logprob_token_ids=None
+            if token_ids is None
+            else token_list(token_ids, "output.logprob_token_ids") or None,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -182,6 +189,8 @@ class OutputOptions:
             out["prompt_logprobs_start"] = self.prompt_logprobs_start
         if self.routed_experts_start is not None:
             out["routed_experts_start"] = self.routed_experts_start
+        if self.logprob_token_ids:
+            out["logprob_token_ids"] = self.logprob_token_ids
         return out
 
 

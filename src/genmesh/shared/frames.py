@@ -64,6 +64,8 @@ class _Output(TypedDict, total=False):
     prompt_logprobs: list[float | None]
     prompt_ranks: list[int | None]
     prompt_top_logprobs: list[TopLogprobs | None]
+    token_ids_logprobs: list[TopLogprobs]
+    prompt_token_ids_logprobs: list[TopLogprobs | None]
     routed_experts: list[list[int]]
     cached_tokens: int
     engine: dict[str, Any]

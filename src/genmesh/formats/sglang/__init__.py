@@ -7,7 +7,7 @@ from typing import Any
 
 from genmesh.formats.base import Bound, Exchange, GenerateFormat, Route
 from genmesh.formats.merge import Joiner, Rule
-from genmesh.formats.sglang import request
+from genmesh.formats.sglang import errors, request
 from genmesh.formats.sglang.response import JOINERS, MERGE_RULES, SglangExchange
 from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
 
@@ -35,4 +35,4 @@ class SglangFormat(GenerateFormat):
         return SglangExchange(bound.options, public_id, prompts, received_at)
 
     def error_body(self, status: int, message: str) -> Any:
-        return request.error(message, status)
+        return errors.error(message, status)

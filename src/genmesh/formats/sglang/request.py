@@ -1,48 +1,82 @@
-"""SGLang `/generate` requests: parse, validate as SGLang does, project onto an envelope.
+"""SGLang `/generate` requests: parse, validate as SGLang does, project onto envelopes.
 
-Error shapes follow SGLang (reference `engine-apis.md` §A.6): a body that is not JSON, or a
-field of the wrong JSON type, gets the legacy validation shape
-`{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}`; a value
-SGLang would reject gets `{"error": {"message"}}`. Messages reuse SGLang's wording where it
-has one.
+The steps follow SGLang's own, in its order: FastAPI's pydantic check of the JSON types
+(`schema`), `GenerateReqInput.normalize_batch_and_arguments` (batch, `n`, rids, per-prompt
+fields), then per prompt the tokenizer manager's checks (context length, `token_ids_logprob`)
+and `SamplingParams` with the server's preferred sampling params under the request's own,
+`normalize` and `verify`.
+
+Every field the real server accepts is accepted. Fields genmesh cannot honour (images,
+hidden states, sessions, ...) are refused only when their value asks for something: absent,
+null or the server's default never is. Fields SGLang does not know are ignored, as SGLang
+ignores them, and logged once per name.
+
+Error shapes are SGLang's (reference `engine-apis.md` §A.6): wrong JSON types get the legacy
+`{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}` with
+FastAPI's message; values SGLang refuses get `{"error": {"message"}}` with SGLang's words.
 """
 
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
-from genmesh.formats.checks import oversized_int
-from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog
+from genmesh.formats.checks import note_unknown_fields, oversized_int
+from genmesh.formats.sglang.errors import legacy_error, type_error, value_error
+from genmesh.formats.sglang.sampling import Sampled, migration_refusal, resolve_sampling
+from genmesh.formats.sglang.schema import (
+    GENERATE_FIELDS,
+    GenerateReqInput,
+    SamplingParams,
+    SchemaError,
+    validate_body,
+    validate_sampling,
+    validation_message,
+)
+from genmesh.shared.engine_info import NO_ENGINES, EngineCatalog, EngineInfo
 from genmesh.shared.envelope import (
     MAX_TOKEN_ID,
     Envelope,
     OutputOptions,
     Routing,
-    Sampling,
-    finite_float,
 )
 from genmesh.shared.ids import new_public_id
 
-DEFAULT_MAX_NEW_TOKENS = 128
+# One request may fan out into at most this many generations (batch size x n).
+MAX_GENERATIONS = 1024
 
-# Fields a tokenizer-less server cannot honour, with the reason it gives.
-_UNSUPPORTED = {
+SKIP_TOKENIZER_TEXT = (
+    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
+    "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
+)
+
+# Fields whose value asks for what this server cannot do, with the reason it gives. An
+# "empty" value (null, false, "", [], {}, or lists of those) asks for nothing.
+UNSUPPORTED = {
     "input_embeds": "input_embeds is not supported by this server; send input_ids",
     "image_data": "multimodal inputs (image_data) are not supported by this server",
     "video_data": "multimodal inputs (video_data) are not supported by this server",
     "audio_data": "multimodal inputs (audio_data) are not supported by this server",
-    "token_ids_logprob": "token_ids_logprob is not supported by this server yet",
     "return_hidden_states": "return_hidden_states is not supported by this server",
     "custom_logit_processor": "custom_logit_processor is not enabled on this server",
     "session_params": "sessions (session_params) are not supported by this server",
-    "session_id": "sessions (session_id) are not supported by this server",
+    "return_sampling_mask": "return_sampling_mask is not supported by this server",
+    "return_flat_raw_top_logprobs": "return_flat_raw_top_logprobs is not supported by "
+    "this server; read input_top_logprobs",
+    "return_indexer_topk": "return_indexer_topk is not supported by this server",
+    "positional_embed_overrides": "positional_embed_overrides is not supported by this server",
+    "multi_item_delimiter_indices": "multi-item scoring (multi_item_delimiter_indices) is not "
+    "supported by this server",
+    # SGLang's own refusal, unless launched with --enable-strict-thinking.
+    "max_thinking_tokens": "max_thinking_tokens requires the server to be launched with "
+    "--enable-strict-thinking",
 }
 # Prefill/decode pairing is the mesh's business, never the client's.
-_INTERNAL = (
+INTERNAL = (
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -50,70 +84,16 @@ _INTERNAL = (
     "decode_tp_size",
     "disagg_prefill_dp_rank",
 )
-# Fields accepted and passed to the engine untouched (ignored where they mean nothing here).
-_PASSTHROUGH = (
-    "lora_path",
-    "return_text_in_logprobs",
-    "modalities",
-    "background",
-    "conversation_id",
-    "custom_labels",
-    "no_logs",
-    "return_entropy",
-    "return_prompt_token_ids",
-    "log_metrics",
-    "require_reasoning",
-    "routing_key",
-)
-_ROUTING = ("data_parallel_rank", "routed_dp_rank", "priority", "extra_key")
 # Fields SGLang takes per prompt of a batch (a scalar, or a list with one entry per prompt).
 _PER_PROMPT = (
     "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "lora_path", "extra_key",
+    "lora_path", "extra_key", "cache_salt",
 )  # fmt: skip
+# Also per prompt, but a flat list of ids is one value for every prompt.
+_TOKEN_IDS = "token_ids_logprob"
+_LOGPROB_LISTS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 # Fields the mesh handles itself: they never reach an engine's native payload.
 _NOT_FORWARDED = frozenset(("input_ids", "rid", "stream", "text"))
-# One request may fan out into at most this many generations (batch size x n).
-MAX_GENERATIONS = 1024
-_CORE = (
-    "return_routed_experts",
-    "routed_experts_start_len",
-    "text",
-    "input_ids",
-    "sampling_params",
-    "rid",
-    "stream",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-)
-KNOWN_FIELDS = frozenset((*_CORE, *_UNSUPPORTED, *_INTERNAL, *_PASSTHROUGH, *_ROUTING))
-
-
-def legacy_error(message: str, status: int = 400) -> dict[str, Any]:
-    return {
-        "object": "error",
-        "message": message,
-        "type": "Bad Request",
-        "param": None,
-        "code": status,
-    }
-
-
-def error(message: str, status: int = 400) -> dict[str, Any]:
-    """SGLang's error body: `{"error": {"message"}}`, except for the 5xx answers SGLang
-    raises as HTTPExceptions (queue full, engine failures), which get the legacy shape."""
-    if status >= 500:
-        return legacy_error(message, status) | {"type": str(status)}
-    return {"error": {"message": message}}
-
-
-def _type_error(message: str) -> RequestRejected:
-    return RequestRejected(400, legacy_error(message), message)
-
-
-def _value_error(message: str) -> RequestRejected:
-    return RequestRejected(400, error(message), message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +106,10 @@ class ItemOptions:
     top_logprobs_num: int
     max_new_tokens: int | None
     return_routed_experts: bool = False
+    # `token_ids_logprob` was asked for (with return_logprob): render its two lists.
+    token_ids_logprob: bool = False
+    # `return_prompt_token_ids`: every record carries the prompt as `prompt_token_ids`.
+    return_prompt_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,315 +119,338 @@ class SglangOptions:
     multi: bool
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _opt_int(obj: Mapping[str, Any], key: str, where: str) -> int | None:
-    value = obj.get(key)
-    if value is not None and not _is_int(value):
-        raise _type_error(f"{where}{key}: Input should be a valid integer, got {value!r}")
-    return value
-
-
-def _opt_number(obj: Mapping[str, Any], key: str) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not _is_number(value):
-        raise _type_error(f"sampling_params.{key}: Input should be a valid number, got {value!r}")
-    number = finite_float(value)
-    if number is None:
-        raise _value_error(f"{key} must be a finite number, got {value!r:.40}.")
-    return number
-
-
-def _opt_bool(obj: Mapping[str, Any], key: str, where: str = "") -> bool:
-    value = obj.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise _type_error(f"{where}{key}: Input should be a valid boolean, got {value!r}")
-    return value
-
-
-def _input_ids(body: Mapping[str, Any]) -> tuple[list[list[int]], bool]:
-    """The prompts, and whether the request is a batch."""
-    if body.get("text") is not None:
-        raise _value_error(
-            "text prompts need a tokenizer and this server has none "
-            "(it serves like SGLang with --skip-tokenizer-init): send input_ids instead"
-        )
-    ids = body.get("input_ids")
-    if ids is None:
-        raise _value_error("Either text or input_ids should be provided.")
-    if not isinstance(ids, list):
-        raise _type_error(f"input_ids: Input should be a valid list, got {type(ids).__name__}")
-    if not ids:
-        raise _value_error("input_ids cannot be empty.")
-    batch = isinstance(ids[0], list)
-    prompts = ids if batch else [ids]
-    for b, prompt in enumerate(prompts):
-        where = f"input_ids[{b}]" if batch else "input_ids"
-        if not isinstance(prompt, list):
-            raise _type_error(f"{where}: Input should be a valid list (batch items are lists)")
-        if not prompt:
-            raise _value_error("input_ids cannot be empty.")
-        for i, tid in enumerate(prompt):
-            if not _is_int(tid):
-                raise _type_error(f"{where}[{i}]: Input should be a valid integer, got {tid!r}")
-            if not 0 <= tid <= MAX_TOKEN_ID:
-                raise _value_error(f"{where}[{i}]: token id {tid} is out of range")
-    return prompts, batch
-
-
-def _per_item(body: Mapping[str, Any], key: str, count: int, batch: bool) -> list[Any]:
-    """A field that is a scalar, or (for a batch) a list with one entry per prompt."""
-    value = body.get(key)
-    if isinstance(value, list):
-        if not batch:
-            raise _value_error(f"{key}: a list is only allowed with batch input_ids")
-        if len(value) != count:
-            raise _value_error(f"{key} has {len(value)} entries for {count} prompts")
-        return value
-    return [value] * count
-
-
-def _sampling(sp: Mapping[str, Any]) -> Sampling:
-    max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if max_new is not None:
-        if not _is_int(max_new):
-            raise _type_error(
-                f"sampling_params.max_new_tokens: Input should be a valid integer, got {max_new!r}"
-            )
-        if max_new < 0:
-            raise _value_error(f"max_new_tokens must be at least 0, got {max_new}.")
-    min_new = _opt_int(sp, "min_new_tokens", "sampling_params.") or 0
-    # null max_new_tokens is uncapped: then only the lower bound applies, as in SGLang.
-    if min_new < 0 or (max_new is not None and min_new > max_new):
-        raise _value_error(
-            f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}."
-        )
-    temperature = _opt_number(sp, "temperature")
-    if temperature is not None and temperature < 0:
-        raise _value_error(f"temperature must be non-negative, got {temperature}.")
-    top_p = _opt_number(sp, "top_p")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise _value_error(f"top_p must be in (0, 1], got {top_p}.")
-    min_p = _opt_number(sp, "min_p")
-    if min_p is not None and not 0 <= min_p <= 1:
-        raise _value_error(f"min_p must be in [0, 1], got {min_p}.")
-    top_k = _opt_int(sp, "top_k", "sampling_params.")
-    if top_k is not None and top_k != -1 and top_k < 1:
-        raise _value_error(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
-    for key in ("frequency_penalty", "presence_penalty"):
-        value = _opt_number(sp, key)
-        if value is not None and not -2 <= value <= 2:
-            raise _value_error(f"{key} must be in [-2, 2], got {value}.")
-    repetition = _opt_number(sp, "repetition_penalty")
-    if repetition is not None and not 0 < repetition <= 2:
-        raise _value_error(f"repetition_penalty must be in (0, 2], got {repetition}.")
-    for key in ("stop", "stop_regex"):
-        if sp.get(key) not in (None, [], ""):
-            raise _value_error(
-                f"sampling_params.{key}: stop strings need a tokenizer and this server has "
-                "none; use stop_token_ids"
-            )
-    if sum(sp.get(key) is not None for key in ("json_schema", "regex", "ebnf")) > 1:
-        raise _value_error("Only one of regex, json_schema, or ebnf can be set.")
-    stop_ids = sp.get("stop_token_ids")
-    if stop_ids is None:
-        stop_ids = []
-    if not isinstance(stop_ids, list) or not all(
-        _is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stop_ids
-    ):
-        raise _type_error("sampling_params.stop_token_ids: Input should be a list of token ids")
-    seed = _opt_int(sp, "sampling_seed", "sampling_params.")
-    ignore_eos = _opt_bool(sp, "ignore_eos", "sampling_params.")
-    return Sampling(
-        max_tokens=max_new,
-        min_tokens=min_new,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=None if top_k == -1 else top_k,
-        min_p=min_p,
-        seed=seed,
-        # SGLang's Req.check_finished skips stop token ids as well as EOS under
-        # ignore_eos; canonical stop_token_ids are honoured by every engine, so say so here.
-        stop_token_ids=[] if ignore_eos else stop_ids,
-        ignore_eos=ignore_eos,
-    )
-
-
-def _routing(body: Mapping[str, Any], cache_salt: Any) -> Routing:
-    dp_rank = _opt_int(body, "routed_dp_rank", "")
-    if dp_rank is None:
-        dp_rank = _opt_int(body, "data_parallel_rank", "")
-    if dp_rank is not None and dp_rank < 0:
-        raise _value_error(f"the data-parallel rank must be >= 0, got {dp_rank}")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise _type_error("extra_key: Input should be a valid string")
-    return Routing(dp_rank=dp_rank, priority=_opt_int(body, "priority", ""), cache_salt=cache_salt)
-
-
 def parse(body: bytes) -> Any:
+    """The body as FastAPI reads it for SGLang: JSON, or the error FastAPI answers with."""
+    if not body:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise type_error(validation_message([missing]))
     try:
         return json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise _type_error(f"request body is not valid JSON: {exc}") from None
-
-
-def _samples(sps: list[Any]) -> int:
-    counts = set()
-    for sp in sps:
-        n = _opt_int(sp, "n", "sampling_params.")
-        n = 1 if n is None else n
-        if n < 1:
-            raise _value_error(f"sampling_params.n must be at least 1, got {n}")
-        counts.add(n)
-    if len(counts) > 1:
-        raise _value_error("sampling_params: every entry of a batch must have the same n")
-    return counts.pop()
-
-
-def _logprob_options(
-    body: Mapping[str, Any], prompts: list[list[int]], batch: bool
-) -> list[OutputOptions]:
-    count = len(prompts)
-    flags = _per_item(body, "return_logprob", count, batch)
-    starts = _per_item(body, "logprob_start_len", count, batch)
-    tops = _per_item(body, "top_logprobs_num", count, batch)
-    out = []
-    for b, prompt in enumerate(prompts):
-        item = {
-            "return_logprob": flags[b],
-            "logprob_start_len": starts[b],
-            "top_logprobs_num": tops[b],
+    except json.JSONDecodeError as exc:
+        err = {
+            "type": "json_invalid",
+            "loc": ("body", exc.pos),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": exc.msg},
         }
-        wanted = _opt_bool(item, "return_logprob")
-        start = _opt_int(item, "logprob_start_len", "")
-        start = -1 if start is None else start
-        top_k = _opt_int(item, "top_logprobs_num", "") or 0
-        if top_k < 0:
-            raise _value_error(f"top_logprobs_num must be >= 0, got {top_k}")
-        if start < -1:
-            raise _value_error(f"logprob_start_len must be >= -1, got {start}")
-        if wanted and start >= len(prompt):
-            raise _value_error(
-                f"logprob_start_len ({start}) is higher than the number of input tokens "
-                f"({len(prompt)}). Request with a lower logprob_start_len."
+        raise type_error(validation_message([err])) from None
+    except (ValueError, RecursionError):  # undecodable bytes, nesting too deep
+        # FastAPI's answer to a body it cannot read at all: an HTTPException(400).
+        message = "There was an error parsing the body"
+        raise RequestRejected(400, legacy_error(message) | {"type": "400"}, message) from None
+
+
+def _empty(value: Any) -> bool:
+    """A value that asks for nothing: null, false, "", [] or {} (or lists of those)."""
+    if isinstance(value, list):
+        return all(_empty(v) for v in value)
+    return value is None or value is False or value == "" or value == {}
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A request after SGLang's normalize step: one entry per prompt."""
+
+    prompts: list[list[int]]
+    single: bool
+    n: int
+    per_prompt: dict[str, list[Any]]
+    token_ids: list[list[int] | None]
+    # Each prompt's sampling_params, type-checked.
+    params: list[SamplingParams]
+
+
+def _prompts(obj: GenerateReqInput) -> tuple[list[list[int]], bool]:
+    """The prompts and whether it is one request (SGLang: `_determine_batch_size`)."""
+    ids = obj.input_ids
+    if ids is None:
+        if obj.text is not None:
+            raise value_error(SKIP_TOKENIZER_TEXT)
+        raise value_error("Either text, input_ids or input_embeds should be provided.")
+    if not ids:
+        raise value_error("input_ids cannot be empty.")
+    # The schema let through lists of int64 (booleans are ints to SGLang): as C arrays,
+    # read back as plain ints, and range-checked by min/max, without a Python-level loop.
+    rows = ids if isinstance(ids[0], list) else [ids]
+    prompts: list[list[int]] = [array("q", row).tolist() for row in rows]
+    single = not isinstance(ids[0], list)
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise value_error("input_ids cannot be empty.")
+        if min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID:
+            i, tid = next((i, t) for i, t in enumerate(prompt) if not 0 <= t <= MAX_TOKEN_ID)
+            where = f"input_ids[{i}]" if single else f"input_ids[{b}][{i}]"
+            raise value_error(f"{where}: token id {tid} is out of range")
+    return prompts, single
+
+
+def _per_prompt(body: Mapping[str, Any], key: str, count: int, single: bool) -> list[Any]:
+    """A field that is a scalar, or (for a batch) a list with one entry per prompt."""
+    value = body.get(key)
+    if not isinstance(value, list):
+        return [value] * count
+    if single:
+        kind = "string" if key in ("extra_key", "cache_salt") else "scalar"
+        raise value_error(f"{key} should be a {kind} for a single request.")
+    if len(value) != count:
+        if key == "lora_path":  # SGLang's normalize_lora_paths
+            raise value_error(
+                f"lora_path list length ({len(value)}) must match batch size ({count})"
             )
-        out.append(
-            OutputOptions(
-                logprobs=True,
-                top_logprobs=top_k,
-                prompt_logprobs_start=len(prompt) - 1 if start == -1 else start,
-            )
-            if wanted
-            else OutputOptions()
-        )
+        raise value_error(f"The length of {key} should be equal to the batch size.")
+    return value
+
+
+def _params(body: Mapping[str, Any], sps: list[Any]) -> list[SamplingParams]:
+    """Each prompt's sampling_params, type-checked (`where`: their place in the body)."""
+    listed = isinstance(body.get("sampling_params"), list)
+    out = []
+    for b, sent in enumerate(sps):
+        where: tuple[Any, ...] = ("sampling_params", b) if listed else ("sampling_params",)
+        try:
+            out.append(validate_sampling(dict(sent or {}), where))
+        except SchemaError as exc:
+            raise type_error(str(exc)) from None
+        except TypeError as exc:  # a key SamplingParams does not take
+            raise value_error(str(exc)) from None
     return out
 
 
-def _routed_experts(
-    body: Mapping[str, Any], prompts: list[list[int]], outputs: list[OutputOptions]
-) -> bool:
-    """Ask for routed-expert rows from `routed_experts_start_len` (into each output)."""
-    wanted = _opt_bool(body, "return_routed_experts")
-    start = _opt_int(body, "routed_experts_start_len", "") or 0
+def _samples(params: list[SamplingParams]) -> int:
+    """`n`, which every prompt's sampling_params must agree on (`_handle_parallel_sampling`)."""
+    counts = [1 if p.n is None else p.n for p in params]
+    if any(count != counts[0] for count in counts):
+        raise value_error(
+            "The parallel_sample_num should be the same for all samples in sample params."
+        )
+    n: int = counts[0]
+    if n < 1:
+        raise value_error(f"sampling_params.n must be at least 1, got {n}")
+    return n
+
+
+def _token_ids_logprob(value: Any, count: int, single: bool, n: int) -> list[list[int] | None]:
+    """One list of token ids per prompt (a flat list: the same for every prompt)."""
+    if not value:
+        return [None] * count
+    if not isinstance(value[0], list):
+        rows: list[Any] = [list(value) for _ in range(count)]
+    elif single:
+        raise value_error("token_ids_logprob must be a flat list of integers.")
+    elif n > 1:
+        raise value_error("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+    elif len(value) != count:
+        raise value_error("The length of token_ids_logprob should be equal to the batch size.")
+    else:
+        rows = list(value)
+    for row in rows:
+        for tid in row or ():
+            if not 0 <= tid <= MAX_TOKEN_ID:
+                raise value_error(
+                    f"token_ids_logprob contains out-of-vocabulary token id {tid}; "
+                    f"token ids are in [0, {MAX_TOKEN_ID + 1})."
+                )
+    return [row or None for row in rows]
+
+
+def _normalize(body: Mapping[str, Any], obj: GenerateReqInput) -> _Batch:
+    """`normalize_batch_and_arguments`: the checks SGLang makes before tokenizing."""
+    if obj.session_id is not None and obj.session_params is not None:
+        raise value_error("session_id and session_params cannot both be set.")
+    if obj.return_flat_raw_top_logprobs_b64 and not obj.return_flat_raw_top_logprobs:
+        raise value_error("return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs.")
+    prompts, single = _prompts(obj)
+    count = len(prompts)
+    per_prompt = {key: _per_prompt(body, key, count, single) for key in _PER_PROMPT}
+    params = _params(body, per_prompt["sampling_params"])
+    n = _samples(params)
+    if count * n > MAX_GENERATIONS:
+        raise value_error(
+            f"this request asks for {count * n} generations ({count} prompts x n={n}); "
+            f"at most {MAX_GENERATIONS} per request"
+        )
+    if n > 1:
+        for key in _LOGPROB_LISTS:
+            if isinstance(body.get(key), list):
+                raise value_error(f"Cannot use list {key} with parallel_sample_num > 1")
+    for key in ("extra_key", "cache_salt"):
+        # An empty key is no key (SGLang: `_normalize_extra_key`).
+        per_prompt[key] = [value or None for value in per_prompt[key]]
+    token_ids = _token_ids_logprob(obj.token_ids_logprob, count, single, n)
+    return _Batch(prompts, single, n, per_prompt, token_ids, params)
+
+
+def _refuse_by_value(obj: GenerateReqInput) -> None:
+    for key in INTERNAL:
+        if getattr(obj, key) is not None:
+            raise value_error(
+                f"`{key}` is internal routing state and cannot be set by clients "
+                "(this server does its own prefill/decode pairing)"
+            )
+    for key, reason in UNSUPPORTED.items():
+        if not _empty(getattr(obj, key)):
+            raise value_error(reason)
+
+
+# ---------------------------------------------------------------- per prompt
+
+
+def _check_context(prompt: list[int], sent: Mapping[str, Any], info: EngineInfo | None) -> None:
+    """The tokenizer manager's `_validate_one_request`: against the engine's context length,
+    the prompt, and the prompt plus an explicitly requested max_new_tokens (refused, not
+    capped: SGLang caps only with --allow-auto-truncate)."""
+    context = info.context_length if info else None
+    if context is None:
+        return
+    length = len(prompt)
+    if length >= context:
+        raise value_error(
+            f"The input ({length} tokens) is longer than the model's context length "
+            f"({context} tokens)."
+        )
+    max_new = sent.get("max_new_tokens")
+    if isinstance(max_new, int) and max_new + length > context:
+        raise value_error(
+            "Requested token count exceeds the model's maximum context length "
+            f"of {context} tokens. You requested a total of {max_new + length} "
+            f"tokens: {length} tokens from the input messages and "
+            f"{max_new} tokens for the completion. Please reduce the number "
+            "of tokens in the input messages or the completion to fit within the limit."
+        )
+
+
+def _int_field(value: Any, default: int) -> int:
+    return default if value is None else int(value)
+
+
+def _output(prompt: list[int], batch: _Batch, b: int) -> tuple[OutputOptions, bool, int]:
+    """The logprob options of prompt `b`: (options, return_logprob, top_logprobs_num)."""
+    per = batch.per_prompt
+    wanted = bool(per["return_logprob"][b])
+    start = _int_field(per["logprob_start_len"][b], -1)
+    top_k = _int_field(per["top_logprobs_num"][b], 0)
+    if top_k < 0:
+        raise value_error(f"top_logprobs_num must be >= 0, got {top_k}")
+    if start < -1:
+        raise value_error(f"logprob_start_len must be >= -1, got {start}")
+    if wanted and start >= len(prompt):
+        # The scheduler aborts it so (a 400 abort: SGLang answers with its message).
+        raise value_error(
+            f"req.logprob_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller logprob_start_len."
+        )
     if not wanted:
-        return False
-    for prompt, output in zip(prompts, outputs, strict=True):
+        return OutputOptions(), False, 0
+    output = OutputOptions(
+        logprobs=True,
+        top_logprobs=top_k,
+        prompt_logprobs_start=len(prompt) - 1 if start == -1 else start,
+        logprob_token_ids=batch.token_ids[b],
+    )
+    return output, True, top_k
+
+
+def _routed_experts(obj: GenerateReqInput, prompts: list[list[int]]) -> int | None:
+    """Where routed-expert rows are wanted from, if they are."""
+    if not obj.return_routed_experts:
+        return None
+    start = obj.routed_experts_start_len
+    for prompt in prompts:
         if not 0 <= start <= len(prompt):
-            raise _value_error(
+            raise value_error(
                 f"routed_experts_start_len must be in [0, {len(prompt)}] "
                 f"(the prompt length), got {start}"
             )
-        output.routed_experts_start = start
-    return True
+    return start
+
+
+def _routing(obj: GenerateReqInput, batch: _Batch, b: int) -> Routing:
+    dp_rank = obj.routed_dp_rank if obj.routed_dp_rank is not None else obj.data_parallel_rank
+    if dp_rank is not None and dp_rank < 0:
+        raise value_error(f"the data-parallel rank must be >= 0, got {dp_rank}")
+    salt = batch.per_prompt["cache_salt"][b] or batch.per_prompt["extra_key"][b]
+    return Routing(dp_rank=dp_rank, priority=obj.priority, cache_salt=salt, session=obj.session_id)
 
 
 def _rids(
-    body: Mapping[str, Any], headers: Mapping[str, str], count: int, batch: bool
+    obj: GenerateReqInput, headers: Mapping[str, str], batch: _Batch
 ) -> tuple[str | None, list[str | None]]:
     """The client ID of the request and the echoed ID of each prompt (SGLang's rules)."""
-    rid = body.get("rid")
+    rid, count = obj.rid, len(batch.prompts)
     if isinstance(rid, list):
-        if not batch:
-            raise _value_error("rid: a list is only allowed with batch input_ids")
-        if not all(isinstance(r, str) for r in rid):
-            raise _type_error("rid: Input should be a list of valid strings")
+        if batch.single:
+            raise value_error("The rid should be a string for a single request.")
         if len(rid) != count:
-            raise _value_error(f"rid: expected {count} strings, one per prompt")
-        if len(set(rid)) != len(rid):
-            raise _value_error("rid: duplicate request ids in one batch")
+            raise value_error(
+                "The specified rids length mismatch with the batch_size for batch processing."
+            )
+        duplicates = sorted({r for r in rid if rid.count(r) > 1})
+        if duplicates:
+            raise value_error(f"Duplicate request IDs detected within the request: {duplicates}")
         return None, list(rid)
-    if rid is not None and not isinstance(rid, str):
-        raise _type_error("rid: Input should be a valid string")
     client_id = rid if rid is not None else _header(headers, "x-request-id")
-    if not batch:
+    if batch.single:
         return client_id, [client_id]
     # A scalar rid on a batch: item i is "{rid}_{i}".
     return client_id, [None if client_id is None else f"{client_id}_{b}" for b in range(count)]
 
 
+def _migration(sampled: list[Sampled]) -> str | None:
+    for one in sampled:
+        refusal = migration_refusal(one.params, one.repetition_penalty)
+        if refusal is not None:
+            return refusal
+    return None
+
+
 def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGINES) -> Bound:
-    if not isinstance(body, dict):
-        raise _type_error(f"request body must be a JSON object, got {type(body).__name__}")
-
-    unknown = sorted(set(body) - KNOWN_FIELDS)
+    try:
+        obj = validate_body(body)
+    except SchemaError as exc:
+        raise type_error(str(exc)) from None
+    assert isinstance(body, dict)  # the schema takes JSON objects only
+    unknown = [key for key in body if key not in GENERATE_FIELDS]
     if unknown:
-        raise _value_error(f"unsupported top-level SGLang generate field(s): {', '.join(unknown)}")
-    for key in _INTERNAL:
-        if body.get(key) is not None:
-            raise _value_error(
-                f"`{key}` is internal routing state and cannot be set by clients "
-                "(this server does its own prefill/decode pairing)"
-            )
-    for key, reason in _UNSUPPORTED.items():
-        if body.get(key) not in (None, False, [], {}):
-            raise _value_error(reason)
-
-    prompts, batch = _input_ids(body)
-    count = len(prompts)
-    oversized = oversized_int(body)
+        note_unknown_fields("sglang", unknown)
+    _refuse_by_value(obj)
+    batch = _normalize(body, obj)
+    # input_ids were checked as int64 already; the rest must fit the bus (msgpack: 64 bits).
+    oversized = oversized_int({k: v for k, v in body.items() if k != "input_ids"})
     if oversized is not None:
-        raise _value_error(f"{oversized[0]}: integer {oversized[1]} does not fit in 64 bits")
-    per_prompt = {key: _per_item(body, key, count, batch) for key in _PER_PROMPT if key in body}
-    sps = per_prompt.get("sampling_params", [None] * count)
-    for sp in sps:
-        if sp is not None and not isinstance(sp, dict):
-            raise _type_error("sampling_params: Input should be a valid dictionary")
-    samplings = [_sampling(sp or {}) for sp in sps]
-    n = _samples([sp or {} for sp in sps])
-    if count * n > MAX_GENERATIONS:
-        raise _value_error(
-            f"this request asks for {count * n} generations ({count} prompts x n={n}); "
-            f"at most {MAX_GENERATIONS} per request"
-        )
-    if n > 1 and isinstance(body.get("top_logprobs_num"), list):
-        raise _value_error("top_logprobs_num cannot be a list when sampling_params.n > 1")
-    outputs = _logprob_options(body, prompts, batch)
-    experts = _routed_experts(body, prompts, outputs)
-    client_id, rids = _rids(body, headers, count, batch)
-    salts = per_prompt.get("extra_key", [None] * count)
-    stream = _opt_bool(body, "stream")
-    multi = batch or n > 1
+        raise value_error(f"{oversized[0]}: integer {oversized[1]} does not fit in 64 bits")
+    client_id, rids = _rids(obj, headers, batch)
+    # SGLang serves one model; the `model` a router adds to the body means nothing to it.
+    info = engines.get(None)
+    experts = _routed_experts(obj, batch.prompts)
+    multi = not batch.single or batch.n > 1
+    n = batch.n
 
+    forwarded = {k: v for k, v in body.items() if k in GENERATE_FIELDS and k not in _NOT_FORWARDED}
+    shared = {k: v for k, v in forwarded.items() if k not in _PER_PROMPT and k != _TOKEN_IDS}
     items: list[Envelope] = []
     options: list[ItemOptions] = []
-    shared = {k: v for k, v in body.items() if k not in _NOT_FORWARDED and k not in per_prompt}
-    for b, prompt in enumerate(prompts):
+    sampled: list[Sampled] = []
+    for b, prompt in enumerate(batch.prompts):
+        sent = batch.per_prompt["sampling_params"][b] or {}
+        _check_context(prompt, sent, info)
+        one = resolve_sampling(batch.params[b], sent, info)
+        sampled.append(one)
+        output, wanted, top_k = _output(prompt, batch, b)
+        if experts is not None:
+            output.routed_experts_start = experts
         # The native payload as the client sent it, narrowed to this prompt; each sample
         # asks the engine for one generation (the fan-out is the mesh's job).
-        native = {**shared, **{key: values[b] for key, values in per_prompt.items()}}
+        native = dict(shared)
+        for key in _PER_PROMPT:
+            if key in forwarded:
+                value = forwarded[key]
+                native[key] = value[b] if isinstance(value, list) else value
+        if _TOKEN_IDS in forwarded:
+            native[_TOKEN_IDS] = batch.token_ids[b]
         if n > 1:
             native["sampling_params"] = {**native["sampling_params"], "n": 1}
-        routing = _routing(body, salts[b])
+        routing = _routing(obj, batch, b)
         for _ in range(n):
             # With n > 1 SGLang gives every sample a fresh random rid.
             item_id = new_public_id() if n > 1 else rids[b]
@@ -455,8 +462,13 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
                     token_ids=prompt,
                     format="sglang",
                     client_id=item_id,
-                    sampling=samplings[b].copy(),
-                    output=replace(outputs[b]),
+                    sampling=one.sampling.copy(),
+                    output=replace(
+                        output,
+                        logprob_token_ids=None
+                        if output.logprob_token_ids is None
+                        else list(output.logprob_token_ids),
+                    ),
                     routing=routing.copy(),
                     engine=dict(native),
                 )
@@ -465,33 +477,21 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
                 ItemOptions(
                     public_id=item_id,
                     prompt_tokens=len(prompt),
-                    return_logprob=outputs[b].logprobs,
-                    return_routed_experts=experts,
-                    top_logprobs_num=outputs[b].top_logprobs,
-                    max_new_tokens=samplings[b].max_tokens,
+                    return_logprob=wanted,
+                    return_routed_experts=experts is not None,
+                    top_logprobs_num=top_k,
+                    max_new_tokens=one.sampling.max_tokens,
+                    token_ids_logprob=wanted and output.logprob_token_ids is not None,
+                    return_prompt_token_ids=obj.return_prompt_token_ids,
                 )
             )
     return Bound(
         items=items,
-        stream=stream,
+        stream=obj.stream,
         client_id=client_id,
         options=SglangOptions(options, multi),
-        migration=next(filter(None, (migration_refusal(sp or {}) for sp in sps)), None),
+        migration=_migration(sampled),
     )
-
-
-def migration_refusal(sp: Mapping[str, Any]) -> str | None:
-    """Why replaying the delivered tokens as prompt would change what comes next."""
-    for key in ("json_schema", "regex", "ebnf", "structural_tag"):
-        if sp.get(key) is not None:
-            return f"guided decoding ({key}) would restart its grammar from the schema root"
-    for key in ("presence_penalty", "frequency_penalty"):
-        if sp.get(key):
-            return f"{key} counts generated tokens, which a continuation sees as prompt"
-    # SGLang's repetition penalizer counts output tokens only, too.
-    if sp.get("repetition_penalty") not in (None, 1, 1.0):
-        return "repetition_penalty counts generated tokens, which a continuation sees as prompt"
-    return None
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

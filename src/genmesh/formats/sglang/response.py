@@ -14,7 +14,8 @@ from typing import Any
 
 from genmesh.formats.base import Exchange, Record
 from genmesh.formats.merge import Rule
-from genmesh.formats.sglang.request import ItemOptions, SglangOptions, error
+from genmesh.formats.sglang.errors import error
+from genmesh.formats.sglang.request import ItemOptions, SglangOptions
 from genmesh.shared import frames
 from genmesh.shared.errors import MeshError
 
@@ -29,8 +30,12 @@ MERGE_RULES: dict[str, Rule] = {
     "meta_info.input_token_logprobs": Rule.PROMPT,
     "meta_info.input_top_logprobs": Rule.PROMPT,
     "meta_info.output_token_logprobs": Rule.DELTA,
+    "meta_info.output_token_logprobs_length": Rule.ATTEMPT,
     "meta_info.output_top_logprobs": Rule.DELTA,
+    "meta_info.input_token_ids_logprobs": Rule.PROMPT,
+    "meta_info.output_token_ids_logprobs": Rule.DELTA,
     "meta_info.routed_experts": Rule.DELTA,
+    "prompt_token_ids": Rule.PROMPT,
 }
 
 
@@ -82,6 +87,7 @@ class _Item:
         "cached_tokens",
         "completion_tokens",
         "input_logprobs",
+        "input_token_ids_logprobs",
         "input_top_logprobs",
         "opts",
         "prompt",
@@ -96,6 +102,7 @@ class _Item:
         self.cached_tokens = 0
         self.input_logprobs: list[Any] = []
         self.input_top_logprobs: list[Any] = []
+        self.input_token_ids_logprobs: list[Any] = []
 
 
 class SglangExchange(Exchange):
@@ -132,9 +139,17 @@ class SglangExchange(Exchange):
             self._note_prompt_logprobs(item, frame)
             meta["input_token_logprobs"] = item.input_logprobs
             meta["output_token_logprobs"] = _triples(frame.get("logprobs") or [], tokens)
+            # Newest SGLang: the length of the whole output logprob list so far (a running
+            # total even when the list itself streams as deltas).
+            meta["output_token_logprobs_length"] = item.completion_tokens
             if opts.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = item.input_top_logprobs
                 meta["output_top_logprobs"] = _top_triples(frame.get("top_logprobs") or [])
+            if opts.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = item.input_token_ids_logprobs
+                meta["output_token_ids_logprobs"] = _top_triples(
+                    frame.get("token_ids_logprobs") or []
+                )
         if opts.return_routed_experts:
             rows = frame.get("routed_experts") or []
             flat = [expert for row in rows for expert in row]
@@ -147,7 +162,11 @@ class SglangExchange(Exchange):
                 meta.setdefault(key, value)
         if finish is not None:
             meta["e2e_latency"] = round(time.monotonic() - self.received_at, 6)
-        return {"output_ids": tokens, "meta_info": meta}
+        record: Record = {"output_ids": tokens, "meta_info": meta}
+        if opts.return_prompt_token_ids:
+            # SGLang adds the prompt to every output of such a request.
+            record["prompt_token_ids"] = item.prompt
+        return record
 
     def new_attempt(self, index: int) -> None:
         self.items[index].completion_tokens = 0
@@ -162,6 +181,9 @@ class SglangExchange(Exchange):
         tops = frame.get("prompt_top_logprobs")
         if tops is not None:
             item.input_top_logprobs = _top_triples(tops)
+        listed = frame.get("prompt_token_ids_logprobs")
+        if listed is not None:
+            item.input_token_ids_logprobs = _top_triples(listed)
 
     def sse(self, index: int, record: Record) -> list[Any]:
         # Batch and n > 1 streams interleave; each chunk says which item it belongs to.

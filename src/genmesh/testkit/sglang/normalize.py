@@ -315,7 +315,7 @@ def _check_prompt(prompt: list[int] | None, sp: JSON, config: MockServerConfig) 
             f"The input ({length} tokens) is longer than the model's context length ({ctx} tokens)."
         )
     explicit_max = sp.get("max_new_tokens")
-    if is_int(explicit_max) and explicit_max + length >= ctx:
+    if is_int(explicit_max) and explicit_max + length > ctx:
         raise Rejected(
             "Requested token count exceeds the model's maximum context length "
             f"of {ctx} tokens. You requested a total of {explicit_max + length} "
@@ -338,8 +338,12 @@ def _check_logprob_params(start: Any, k: Any, ids: list[int] | None, vocab_size:
         raise Rejected(f"logprob_start_len must be -1 or at least 0, got {start!r}.")
     if not is_int(k) or k < 0:
         raise Rejected(f"top_logprobs_num must be at least 0, got {k!r}.")
-    if ids is not None and any(not 0 <= t < vocab_size for t in ids):
-        raise Rejected(f"token_ids_logprob must lie in [0, {vocab_size - 1}], got {ids}.")
+    for token_id in ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise Rejected(
+                f"token_ids_logprob contains out-of-vocabulary token id {token_id}; "
+                f"valid range is [0, {vocab_size})."
+            )
 
 
 def _scheduler_check(batch: _Batch, i: int, length: int, grammar: str | None) -> str | None:

@@ -1,0 +1,121 @@
+"""What validating a native request costs: `GenerateFormat.bind` per request, by format.
+
+    .venv/bin/python benchmarks/bench_bind.py [--format sglang|vllm|both] [--repeats R]
+        [--number N]
+
+Each case is a request body as a client sends it, parsed once (`format.parse`); the timed
+step is `format.bind(body, headers, engines)` with an engine catalog that knows a context
+length and sampling defaults, as a frontend's would. Prints, per case, the median over R
+runs of N binds, in microseconds per request.
+
+To compare two versions of genmesh, run the same script with each one's source first on
+the path, e.g. `PYTHONPATH=/tmp/before/src .venv/bin/python benchmarks/bench_bind.py`.
+The cases are a table by format (`CASES`): add a format's cases there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from genmesh.formats.base import GenerateFormat
+from genmesh.shared.engine_info import EngineCatalog, EngineInfo
+
+ENGINES = EngineCatalog(
+    [
+        EngineInfo(
+            model="bench-model",
+            context_length=32_768,
+            max_total_num_tokens=1_048_576,
+            block_size=16,
+            sampling_defaults={"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+        )
+    ]
+)
+
+
+def _prompt(length: int, offset: int = 0) -> list[int]:
+    return [(offset + 7919 * i) % 150_000 for i in range(length)]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+def _sglang() -> GenerateFormat:
+    from genmesh.formats.sglang import SglangFormat
+
+    return SglangFormat()
+
+
+TYPICAL_SGLANG = {
+    "max_new_tokens": 256,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 40,
+    "stop_token_ids": [151645, 151643],
+}
+
+# Per format: how to make it, and the requests to time.
+CASES: dict[str, tuple[Callable[[], GenerateFormat], list[Case]]] = {
+    "sglang": (
+        _sglang,
+        [
+            Case(
+                "1 x 1000 tokens, typical sampling",
+                {"input_ids": _prompt(1000), "sampling_params": TYPICAL_SGLANG, "rid": "r1"},
+                {},
+            ),
+            Case(
+                "8 x 256 tokens, n=1",
+                {
+                    "input_ids": [_prompt(256, b) for b in range(8)],
+                    "sampling_params": {**TYPICAL_SGLANG, "n": 1},
+                },
+                {},
+            ),
+        ],
+    ),
+}
+
+
+def bind_us(fmt: GenerateFormat, case: Case, number: int, repeats: int) -> float:
+    body = fmt.parse(json.dumps(case.body).encode())
+
+    def bind() -> None:
+        fmt.bind(body, case.headers, ENGINES)
+
+    bind()  # warm up (and fail loudly on a body the format refuses)
+    runs = timeit.repeat(bind, number=number, repeat=repeats)
+    return statistics.median(runs) / number * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--format", default="both", help="sglang, vllm or both")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per case")
+    parser.add_argument("--number", type=int, default=200, help="binds per run")
+    args = parser.parse_args(argv)
+    names = list(CASES) if args.format == "both" else [args.format]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"no cases for format(s) {', '.join(unknown)}; have {', '.join(CASES)}")
+    print(f"{'format':<8} {'case':<36} {'µs/request':>11}")
+    for name in names:
+        make, cases = CASES[name]
+        fmt = make()
+        for case in cases:
+            us = bind_us(fmt, case, args.number, args.repeats)
+            print(f"{name:<8} {case.name:<36} {us:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
