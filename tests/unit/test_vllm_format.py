@@ -1310,13 +1310,13 @@ def test_the_ignored_names_remembered_are_bounded(
     """Clients choose the field names: the set of names logged once cannot grow forever."""
     from genmesh.formats.vllm import request as vllm_request
 
-    monkeypatch.setattr(vllm_request, "_ignored_logged", set())
-    monkeypatch.setattr(vllm_request, "_MAX_REMEMBERED", 3)
+    monkeypatch.setattr(vllm_request.IGNORED, "seen", set())
+    monkeypatch.setattr(vllm_request.IGNORED, "limit", 3)
     with caplog.at_level("WARNING", logger="genmesh.formats.vllm.request"):
         for i in range(10):
             bind_raw(raw(**{f"zz_bounded_{i}": 1}))
         bind_raw(raw(zz_bounded_9=1))
-    assert len(vllm_request._ignored_logged) <= 3 + 1  # one request's names past the bound
+    assert len(vllm_request.IGNORED.seen) <= 3 + 1  # one request's names past the bound
     # Every name was logged at least once; a name past the bound is logged again.
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"zz_bounded_{i}" in logged for i in range(10))

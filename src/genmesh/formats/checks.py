@@ -27,16 +27,22 @@ def oversized_int(value: Any) -> tuple[str, int] | None:
     return None
 
 
-_log = logging.getLogger("genmesh.formats")
-# (format, field) pairs already reported: an unknown field is logged once per process, not
-# once per request (a router adding one to every body would flood the log otherwise).
-_reported_unknown: set[tuple[str, str]] = set()
+class IgnoredFields:
+    """Logs the request fields a format ignores because the real server does not know them:
+    once per name and process, not once per request (a router that adds a field to every
+    body would flood the log otherwise). Clients choose the names, so the set remembered is
+    bounded; past the bound a new name is logged with every request that sends it."""
 
+    def __init__(self, log: logging.Logger, message: str, limit: int = 1024) -> None:
+        self.log = log
+        self.message = message  # one `%s`: the names
+        self.limit = limit
+        self.seen: set[str] = set()
 
-def note_unknown_fields(format_name: str, names: Iterable[str]) -> None:
-    """Log, once per name, fields the real server ignores because it does not know them."""
-    for name in names:
-        key = (format_name, name)
-        if key not in _reported_unknown:
-            _reported_unknown.add(key)
-            _log.info("%s: ignoring unknown request field %r, as the server does", *key)
+    def note(self, names: Iterable[str], prefix: str = "") -> None:
+        new = sorted(name for n in names if (name := prefix + n) not in self.seen)
+        if not new:
+            return
+        if len(self.seen) < self.limit:
+            self.seen.update(new)
+        self.log.warning(self.message, new)

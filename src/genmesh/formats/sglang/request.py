@@ -19,13 +19,14 @@ FastAPI's message; values SGLang refuses get `{"error": {"message"}}` with SGLan
 from __future__ import annotations
 
 import json
+import logging
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
-from genmesh.formats.checks import note_unknown_fields, oversized_int
+from genmesh.formats.checks import IgnoredFields, oversized_int
 from genmesh.formats.sglang.errors import legacy_error, type_error, value_error
 from genmesh.formats.sglang.sampling import Sampled, migration_refusal, resolve_sampling
 from genmesh.formats.sglang.schema import (
@@ -94,6 +95,11 @@ _TOKEN_IDS = "token_ids_logprob"
 _LOGPROB_LISTS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 # Fields the mesh handles itself: they never reach an engine's native payload.
 _NOT_FORWARDED = frozenset(("input_ids", "rid", "stream", "text"))
+
+# SGLang (FastAPI over a dataclass) drops fields it does not know, silently; say it once.
+IGNORED = IgnoredFields(
+    logging.getLogger(__name__), "ignoring request field(s) SGLang does not know: %s"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,9 +416,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     except SchemaError as exc:
         raise type_error(str(exc)) from None
     assert isinstance(body, dict)  # the schema takes JSON objects only
-    unknown = [key for key in body if key not in GENERATE_FIELDS]
-    if unknown:
-        note_unknown_fields("sglang", unknown)
+    IGNORED.note(key for key in body if key not in GENERATE_FIELDS)
     _refuse_by_value(obj)
     batch = _normalize(body, obj)
     # input_ids were checked as int64 already; the rest must fit the bus (msgpack: 64 bits).

@@ -50,7 +50,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from genmesh.formats.base import Bound, RequestRejected
-from genmesh.formats.checks import oversized_int
+from genmesh.formats.checks import IgnoredFields, oversized_int
 from genmesh.formats.vllm.schema import (
     SAMPLING_FIELDS,
     TOP_LEVEL_FIELDS,
@@ -81,10 +81,8 @@ VALIDATION_ERROR_TYPE = "Bad Request"
 _NOT_FORWARDED = frozenset(("request_id", "token_ids", "stream", "stream_options"))
 
 log = logging.getLogger(__name__)
-# Ignored field names already logged. Clients choose the names, so the set is bounded:
-# past the bound, new names are still logged (once per request) but not remembered.
-_ignored_logged: set[str] = set()
-_MAX_REMEMBERED = 1024
+# vLLM's own words for the fields it drops.
+IGNORED = IgnoredFields(log, "The following fields were present in the request but ignored: %s")
 
 
 def error_type(status: int) -> str:
@@ -219,15 +217,6 @@ def _check_content_type(headers: Mapping[str, str]) -> None:
     content_type = (_header(headers, "content-type") or "").lower()
     if content_type.split(";", 1)[0] != "application/json":
         raise _invalid(["Unsupported Media Type: Only 'application/json' is allowed"], None)
-
-
-def _log_ignored(kind: str, names: set[str]) -> None:
-    """vLLM drops fields it does not know; say so once per name and process."""
-    new = sorted(f"{kind}{name}" for name in names if f"{kind}{name}" not in _ignored_logged)
-    if new:
-        if len(_ignored_logged) < _MAX_REMEMBERED:
-            _ignored_logged.update(new)
-        log.warning("The following fields were present in the request but ignored: %s", new)
 
 
 def _client_id(req: GenerateRequest, headers: Mapping[str, str]) -> str | None:
@@ -380,10 +369,10 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     except ValidationError as exc:
         raise _validation_rejected(exc) from None
     raw_sp: dict[str, Any] = body["sampling_params"]  # a dict: validation passed
-    _log_ignored("", set(body) - TOP_LEVEL_FIELDS)
-    _log_ignored("sampling_params.", set(raw_sp) - SAMPLING_FIELDS)
+    IGNORED.note(set(body) - TOP_LEVEL_FIELDS)
+    IGNORED.note(set(raw_sp) - SAMPLING_FIELDS, "sampling_params.")
     if req.stream_options is not None and req.stream_options.model_extra:
-        _log_ignored("stream_options.", set(req.stream_options.model_extra))
+        IGNORED.note(req.stream_options.model_extra, "stream_options.")
 
     sp = req.sampling_params
     n = sp.n
