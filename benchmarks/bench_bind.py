@@ -5,8 +5,8 @@
 
 Each case is a request body as a client sends it, parsed once (`format.parse`); the timed
 step is `format.bind(body, headers, engines)` with an engine catalog that knows a context
-length and sampling defaults, as a frontend's would. Prints, per case, the median over R
-runs of N binds, in microseconds per request.
+length and sampling defaults, as a frontend's would, and then `parse` + `bind` from the raw
+bytes. Prints, per case, the median over R runs of N requests, in microseconds per request.
 
 To compare two versions of genmesh, run the same script with each one's source first on
 the path, e.g. `PYTHONPATH=/tmp/before/src .venv/bin/python benchmarks/bench_bind.py`.
@@ -56,6 +56,12 @@ def _sglang() -> GenerateFormat:
     return SglangFormat()
 
 
+def _vllm() -> GenerateFormat:
+    from genmesh.formats.vllm import VllmFormat
+
+    return VllmFormat()
+
+
 TYPICAL_SGLANG = {
     "max_new_tokens": 256,
     "temperature": 0.7,
@@ -63,6 +69,16 @@ TYPICAL_SGLANG = {
     "top_k": 40,
     "stop_token_ids": [151645, 151643],
 }
+TYPICAL_VLLM = {
+    "max_tokens": 256,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 50,
+    "seed": 1234,
+    "logprobs": 1,
+    "stop_token_ids": [2],
+}
+JSON = {"content-type": "application/json"}
 
 # Per format: how to make it, and the requests to time.
 CASES: dict[str, tuple[Callable[[], GenerateFormat], list[Case]]] = {
@@ -84,18 +100,49 @@ CASES: dict[str, tuple[Callable[[], GenerateFormat], list[Case]]] = {
             ),
         ],
     ),
+    "vllm": (
+        _vllm,
+        [
+            Case(
+                "1 x 1000 tokens, typical, n=1",
+                {
+                    "token_ids": _prompt(1000),
+                    "sampling_params": TYPICAL_VLLM,
+                    "model": "bench-model",
+                },
+                JSON,
+            ),
+            Case(
+                "1 x 1000 tokens, typical, n=4",
+                {
+                    "token_ids": _prompt(1000),
+                    "sampling_params": {**TYPICAL_VLLM, "n": 4},
+                    "model": "bench-model",
+                },
+                JSON,
+            ),
+        ],
+    ),
 }
 
 
-def bind_us(fmt: GenerateFormat, case: Case, number: int, repeats: int) -> float:
-    body = fmt.parse(json.dumps(case.body).encode())
+def bind_us(fmt: GenerateFormat, case: Case, number: int, repeats: int) -> tuple[float, float]:
+    """Median µs per request of `bind` alone, and of `parse` + `bind`."""
+    raw = json.dumps(case.body).encode()
+    body = fmt.parse(raw)
 
     def bind() -> None:
         fmt.bind(body, case.headers, ENGINES)
 
+    def parse_and_bind() -> None:
+        fmt.bind(fmt.parse(raw), case.headers, ENGINES)
+
     bind()  # warm up (and fail loudly on a body the format refuses)
-    runs = timeit.repeat(bind, number=number, repeat=repeats)
-    return statistics.median(runs) / number * 1e6
+    medians = []
+    for step in (bind, parse_and_bind):
+        runs = timeit.repeat(step, number=number, repeat=repeats)
+        medians.append(statistics.median(runs) / number * 1e6)
+    return medians[0], medians[1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,13 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"no cases for format(s) {', '.join(unknown)}; have {', '.join(CASES)}")
-    print(f"{'format':<8} {'case':<36} {'µs/request':>11}")
+    print(f"{'format':<8} {'case':<36} {'bind µs':>9} {'parse+bind µs':>14}")
     for name in names:
         make, cases = CASES[name]
         fmt = make()
         for case in cases:
-            us = bind_us(fmt, case, args.number, args.repeats)
-            print(f"{name:<8} {case.name:<36} {us:>11.1f}")
+            alone, with_parse = bind_us(fmt, case, args.number, args.repeats)
+            print(f"{name:<8} {case.name:<36} {alone:>9.1f} {with_parse:>14.1f}", flush=True)
 
 
 if __name__ == "__main__":
