@@ -18,7 +18,6 @@ FastAPI's message; values SGLang refuses get `{"error": {"message"}}` with SGLan
 
 from __future__ import annotations
 
-import json
 import logging
 from array import array
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from typing import Any
 
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import IgnoredFields, oversized_int
+from genmesh.formats.fastapi import UNREADABLE_BODY, BodyError, read_json
 from genmesh.formats.sglang.errors import legacy_error, type_error, value_error
 from genmesh.formats.sglang.sampling import Sampled, migration_refusal, resolve_sampling
 from genmesh.formats.sglang.schema import (
@@ -127,24 +127,14 @@ class SglangOptions:
 
 def parse(body: bytes) -> Any:
     """The body as FastAPI reads it for SGLang: JSON, or the error FastAPI answers with."""
-    if not body:
-        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-        raise type_error(validation_message([missing]))
     try:
-        return json.loads(body)
-    except json.JSONDecodeError as exc:
-        err = {
-            "type": "json_invalid",
-            "loc": ("body", exc.pos),
-            "msg": "JSON decode error",
-            "input": {},
-            "ctx": {"error": exc.msg},
-        }
-        raise type_error(validation_message([err])) from None
-    except (ValueError, RecursionError):  # undecodable bytes, nesting too deep
+        return read_json(body)
+    except BodyError as exc:
+        if exc.errors is not None:
+            raise type_error(validation_message(exc.errors)) from None
         # FastAPI's answer to a body it cannot read at all: an HTTPException(400).
-        message = "There was an error parsing the body"
-        raise RequestRejected(400, legacy_error(message) | {"type": "400"}, message) from None
+        answer = legacy_error(UNREADABLE_BODY) | {"type": "400"}
+        raise RequestRejected(400, answer, UNREADABLE_BODY) from None
 
 
 def _empty(value: Any) -> bool:

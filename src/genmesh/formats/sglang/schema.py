@@ -16,11 +16,12 @@ refused with the message SGLang's `SamplingParams(**params)` raises.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, TypeAdapter, ValidationError
+
+from genmesh.formats.fastapi import body_errors
 
 Json = dict[str, Any]
 
@@ -191,13 +192,6 @@ def validation_message(errors: list[Json]) -> str:
     count = len(errors)
     lines = "".join(f"\n  {err}" for err in errors)
     return f"{count} validation error{'s' if count != 1 else ''}:{lines} {errors}"
-
-
-def body_errors(
-    errors: Sequence[Mapping[str, Any]], prefix: tuple[Any, ...] = ("body",)
-) -> list[Json]:
-    """pydantic's errors as FastAPI reports them: without URLs, located under `body`."""
-    return [{**err, "loc": prefix + tuple(err.get("loc", ()))} for err in errors]
 
 
 def validate_body(body: Any) -> GenerateReqInput:

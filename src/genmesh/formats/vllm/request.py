@@ -39,7 +39,6 @@ Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Mapping
@@ -51,6 +50,7 @@ from pydantic import ValidationError
 
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import IgnoredFields, oversized_int
+from genmesh.formats.fastapi import UNREADABLE_BODY, BodyError, body_errors, read_json
 from genmesh.formats.vllm.schema import (
     SAMPLING_FIELDS,
     TOP_LEVEL_FIELDS,
@@ -151,10 +151,7 @@ def _param_of(loc: tuple[Any, ...]) -> str:
 
 
 def _validation_rejected(exc: ValidationError) -> RequestRejected:
-    # FastAPI reports a body model's errors under ("body", ...), without pydantic's URLs.
-    errors: list[dict[str, Any]] = [
-        {**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)
-    ]
+    errors = body_errors(exc.errors(include_url=False))
     param = None
     for err in errors:
         ctx_error = err.get("ctx", {}).get("error")
@@ -193,23 +190,14 @@ class _Unparsed:
 
 
 def parse(body: bytes) -> Any:
-    if not body:
-        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-        return _Unparsed(_invalid([missing], "body"))
     try:
-        return json.loads(body)
-    except json.JSONDecodeError as exc:
-        json_error = {
-            "type": "json_invalid",
-            "loc": ("body", exc.pos),
-            "msg": "JSON decode error",
-            "input": {},
-            "ctx": {"error": exc.msg},
-        }
-        return _Unparsed(_invalid([json_error], f"body.{exc.pos}"))
-    except (ValueError, RecursionError):  # not UTF-8, or nested too deep
-        message = "There was an error parsing the body"
-        return _Unparsed(RequestRejected(400, error(message, 400, None, "Bad Request"), message))
+        return read_json(body)
+    except BodyError as exc:
+        if exc.errors is None:
+            answer = error(UNREADABLE_BODY, 400, None, "Bad Request")
+            return _Unparsed(RequestRejected(400, answer, UNREADABLE_BODY))
+        loc = exc.errors[0]["loc"]
+        return _Unparsed(_invalid(exc.errors, ".".join(str(p) for p in loc)))
 
 
 def _check_content_type(headers: Mapping[str, str]) -> None:
