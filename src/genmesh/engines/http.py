@@ -55,6 +55,18 @@ class HttpEngineBase:
             await self._session.close()
             self._session = None
 
+    async def post_admin(self, path: str, payload: Any = None) -> tuple[int, str]:
+        """POST one of the server's admin routes (abort, flush): its status and body text,
+        within `abort_timeout_s`. Raises `unavailable` when the server cannot be reached."""
+        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+        try:
+            async with self.session.post(
+                f"{self.config.base}{path}", json=payload, timeout=timeout
+            ) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise unavailable(f"{path} on {self.config.url} failed: {exc}") from None
+
 
 def new_session(config: HttpEngineConfig) -> aiohttp.ClientSession:
     timeout = aiohttp.ClientTimeout(

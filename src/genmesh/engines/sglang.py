@@ -263,14 +263,10 @@ class SglangEngine(HttpEngineBase):
         return None
 
     async def _abort(self, rid: str) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
         try:
-            async with self.session.post(
-                f"{self.config.base}/abort_request", json={"rid": rid}, timeout=timeout
-            ) as r:
-                await r.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("could not abort %s on %s: %s", rid, self.config.url, exc)
+            await self.post_admin("/abort_request", {"rid": rid})
+        except MeshError as exc:
+            log.warning("could not abort %s: %s", rid, exc.message)
 
     async def abort(self, request_id: str) -> bool:
         """SGLang's own abort of the engine request: its stream then ends with SGLang's
@@ -284,16 +280,9 @@ class SglangEngine(HttpEngineBase):
 
     async def flush_cache(self) -> None:
         """`POST /flush_cache`; SGLang answers 400 while it has requests."""
-        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
-        try:
-            async with self.session.post(f"{self.config.base}/flush_cache", timeout=timeout) as r:
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise unavailable(
-                f"cannot flush the cache of SGLang at {self.config.url}: {exc}"
-            ) from None
-        if r.status != 200:
-            raise unavailable(f"SGLang did not flush its cache (HTTP {r.status}): {text.strip()}")
+        status, text = await self.post_admin("/flush_cache")
+        if status != 200:
+            raise unavailable(f"SGLang did not flush its cache (HTTP {status}): {text.strip()}")
 
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).

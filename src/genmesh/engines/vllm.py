@@ -536,18 +536,7 @@ class VllmEngine(HttpEngineBase):
         then close its connection (which is vLLM's abort when it cannot)."""
         try:
             if self._abort_offered is not False:
-                timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
-                ids = engine_request_ids(dispatch_id)
-                try:
-                    async with self.session.post(
-                        f"{self.config.base}{ABORT_PATH}",
-                        json={"request_ids": ids},
-                        timeout=timeout,
-                    ) as r:
-                        await r.read()
-                        self._learn_abort(r.status)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    log.warning("could not abort %s on %s: %s", ids[0], self.config.url, exc)
+                await self._abort_by_id(dispatch_id)
         finally:
             if response is not None:
                 response.close()
@@ -559,35 +548,26 @@ class VllmEngine(HttpEngineBase):
         dispatch_id = self._dispatches.get(request_id)
         if dispatch_id is None or not self._abort_offered:
             return False
-        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+        return await self._abort_by_id(dispatch_id)
+
+    async def _abort_by_id(self, dispatch_id: str) -> bool:
+        """`POST /abort_requests` with the ids vLLM knows the request by (and learn from
+        the answer whether the server has that route); best effort."""
         try:
-            async with self.session.post(
-                f"{self.config.base}{ABORT_PATH}",
-                json={"request_ids": engine_request_ids(dispatch_id)},
-                timeout=timeout,
-            ) as r:
-                await r.read()
-                return r.status == 200
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("could not abort %s on %s: %s", dispatch_id, self.config.url, exc)
+            status, _ = await self.post_admin(
+                ABORT_PATH, {"request_ids": engine_request_ids(dispatch_id)}
+            )
+        except MeshError as exc:
+            log.warning("could not abort %s: %s", dispatch_id, exc.message)
             return False
+        self._learn_abort(status)
+        return status == 200
 
     async def flush_cache(self) -> None:
         """`POST /reset_prefix_cache` (vLLM's flush; served in its dev mode)."""
-        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
-        try:
-            async with self.session.post(
-                f"{self.config.base}/reset_prefix_cache", timeout=timeout
-            ) as r:
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise unavailable(
-                f"cannot reset the prefix cache of vLLM at {self.config.url}: {exc}"
-            ) from None
-        if r.status != 200:
-            raise unavailable(
-                f"vLLM did not reset its prefix cache (HTTP {r.status}): {text[:200]}"
-            )
+        status, text = await self.post_admin("/reset_prefix_cache")
+        if status != 200:
+            raise unavailable(f"vLLM did not reset its prefix cache (HTTP {status}): {text[:200]}")
 
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
