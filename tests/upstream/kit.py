@@ -90,8 +90,15 @@ JSON = {"Content-Type": "application/json"}  # what `requests.post(json=...)` se
 
 
 async def post_json(url: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
-    """POST `body` as JSON, as the upstream tests' `requests.post(url, json=body)` does."""
+    """POST `body` as JSON, as the upstream tests' `requests.post(url, json=body)` does;
+    `None`: no body at all, as `requests.post(url)`."""
+    if body is None:
+        return await post(url, b"", headers=headers)
     return await post(url, body, headers={**JSON, **(headers or {})})
+
+
+async def get(url: str, headers: dict[str, str] | None = None) -> Reply:
+    return await post(url, b"", headers=headers, method="GET")
 
 
 # ---------------------------------------------------------------------------- processes
