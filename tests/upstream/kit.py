@@ -29,7 +29,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.conftest import unique_namespace
 from tests.http_util import Reply, post
+from tests.inproc import InProcessMesh
+from tests.mesh import wait_until
 
 # ---------------------------------------------------------------------------- SGLang kits
 
@@ -99,6 +102,27 @@ async def post_json(url: str, body: Any, headers: dict[str, str] | None = None) 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> Reply:
     return await post(url, b"", headers=headers, method="GET")
+
+
+def start_mesh_with(
+    nats_url: str, prefix: str, *worker_args: str, **worker_opts: Any
+) -> InProcessMesh:
+    """A module's own in-process mesh (1 router, 2 workers, a frontend) whose workers take
+    `worker_args` (command-line options, e.g. "--mock-max-model-len", "1024")."""
+    mesh = InProcessMesh(nats_url, unique_namespace(prefix))
+    try:
+        mesh.add_router()
+        ids = [
+            mesh.add_worker(wait=False, extra_args=worker_args, **worker_opts).name
+            for _ in range(2)
+        ]
+        mesh.add_frontend()
+        mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
+        wait_until(lambda: mesh._http_ok("/health"), what="the frontend to be ready")
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
 
 
 # ---------------------------------------------------------------------------- processes
