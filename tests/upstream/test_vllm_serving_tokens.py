@@ -1,13 +1,15 @@
 """Port of vLLM's token-in/token-out server tests (POST /inference/v1/generate).
 
-Origin: vllm-project/vllm `tests/entrypoints/serve/disagg/test_serving_tokens.py`
-@ 23de240ca90c78edb7c2e98d2334ebdb0a4c9c31 (server: Qwen/Qwen3-0.6B,
-`--max-model-len 1024`).
+Origin: vllm-project/vllm `tests/entrypoints/scale_out/token_in_token_out/test_serving_tokens.py`
+@ 01f8f3e10160f3abad750e4d733de04dd98fe7d7 (server: Qwen/Qwen3-0.6B,
+`--max-model-len 1024 --enable-scale-out`); the file lived at
+`tests/entrypoints/serve/disagg/test_serving_tokens.py` before (@ 23de240ca90c).
 
 Adapted: the mesh is this module's own, its mock workers with the same 1024-token context
 (and the mock's default vocabulary, Qwen's size). Skipped, with the reason on each: what
 needs the model's tokenizer and chat template (comparisons with /v1/chat/completions,
-stop strings checked on decoded text) and LoRA adapters.
+stop strings checked on decoded text), LoRA adapters, and the sampling mask (a
+`--return-sampling-mask` server over real top-k/top-p sampling).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ async def test_generate_endpoint(server: InProcessMesh) -> None:
     }
     data = await generate(server, payload)
     assert "choices" in data
+    assert data["choices"][0].get("sampling_mask") is None
+
+
+@pytest.mark.skip(reason="needs --return-sampling-mask and real top-k/top-p sampling")
+async def test_generate_sampling_mask() -> None:
+    """Upstream: each token's sampling support set comes back with it."""
 
 
 async def test_generate_defaults_max_tokens_when_omitted(server: InProcessMesh) -> None:
@@ -65,6 +73,20 @@ async def test_generate_defaults_max_tokens_when_omitted(server: InProcessMesh) 
     completion_tokens = len(data["choices"][0]["token_ids"])
     # max_model_len 1024, a 3-token prompt: ~1021 tokens
     assert completion_tokens > 16, completion_tokens
+
+
+async def test_generate_returns_all_choices_when_n_greater_than_one(
+    server: InProcessMesh,
+) -> None:
+    """n > 1 returns n choices (upstream: a regression test)."""
+    payload = {
+        "model": MODEL_NAME,
+        "token_ids": [1, 2, 3],
+        "sampling_params": {"max_tokens": 5, "temperature": 1.0, "n": 4},
+        "stream": False,
+    }
+    data = await generate(server, payload)
+    assert sorted(choice["index"] for choice in data["choices"]) == [0, 1, 2, 3]
 
 
 async def test_generate_stream(server: InProcessMesh) -> None:
@@ -168,3 +190,52 @@ async def test_generate_without_sampling_params(server: InProcessMesh) -> None:
     payload = {"model": MODEL_NAME, "token_ids": [1, 2, 3], "stream": False}
     data = await generate(server, payload)
     assert "choices" in data
+
+
+@pytest.mark.parametrize(
+    "max_tokens",
+    [
+        2147483647,  # INT32_MAX: prompt_len + max_tokens overflows int32 in the engine
+        2147483648,  # INT32_MAX + 1
+        9223372036854775808,  # INT64_MAX + 1
+        1e18,  # an integral float: pydantic coerces it to int
+    ],
+)
+async def test_generate_rejects_unbounded_max_tokens(
+    server: InProcessMesh, max_tokens: float
+) -> None:
+    """An unbounded max_tokens is refused (400), and the server still serves after it
+    (upstream: one such request used to kill vLLM's engine core)."""
+    payload = {
+        "model": MODEL_NAME,
+        "token_ids": [1, 2, 3],
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
+        "stream": False,
+    }
+    reply = await post_json(server.http_url + GEN_ENDPOINT, payload)
+    assert reply.status == 400, reply.body
+    followup = await post_json(
+        server.http_url + GEN_ENDPOINT,
+        {
+            "model": MODEL_NAME,
+            "token_ids": [1, 2, 3],
+            "sampling_params": {"max_tokens": 5},
+            "stream": False,
+        },
+    )
+    assert followup.status == 200, f"did not survive max_tokens={max_tokens}: {followup.body}"
+
+
+async def test_generate_max_tokens_boundary(server: InProcessMesh) -> None:
+    """The bound is max_model_len - prompt_len, inclusive: 1021 accepted, 1022 refused."""
+    for max_tokens, expected in ((1021, 200), (1022, 400)):
+        reply = await post_json(
+            server.http_url + GEN_ENDPOINT,
+            {
+                "model": MODEL_NAME,
+                "token_ids": [1, 2, 3],
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
+                "stream": False,
+            },
+        )
+        assert reply.status == expected, (max_tokens, reply.body)
