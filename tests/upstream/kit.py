@@ -92,12 +92,14 @@ async def run_logprob_check(
 JSON = {"Content-Type": "application/json"}  # what `requests.post(json=...)` sends
 
 
-async def post_json(url: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
+async def post_json(
+    url: str, body: Any, headers: dict[str, str] | None = None, method: str = "POST"
+) -> Reply:
     """POST `body` as JSON, as the upstream tests' `requests.post(url, json=body)` does;
     `None`: no body at all, as `requests.post(url)`."""
     if body is None:
-        return await post(url, b"", headers=headers)
-    return await post(url, body, headers={**JSON, **(headers or {})})
+        return await post(url, b"", headers=headers, method=method)
+    return await post(url, body, headers={**JSON, **(headers or {})}, method=method)
 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> Reply:
