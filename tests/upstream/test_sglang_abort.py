@@ -157,8 +157,10 @@ async def test_duplicate_rid_sequential_ok(slow_mesh: InProcessMesh) -> None:
 
 
 async def test_duplicate_rid_concurrent_rejected(slow_mesh: InProcessMesh) -> None:
+    """Upstream's first request runs 512 tokens; 200 here (1.2 s of the mock's real-time
+    decode) still outlasts the 0.1 s before the second, and keeps the fast tier fast."""
     rid = "dup-rid-test-concurrent"
-    first = asyncio.create_task(generate(slow_mesh, 512, rid))
+    first = asyncio.create_task(generate(slow_mesh, 200, rid))
     await asyncio.sleep(0.1)
     second = asyncio.create_task(generate(slow_mesh, 8, rid))
     r1, r2 = await first, await second
