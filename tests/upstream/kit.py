@@ -127,6 +127,166 @@ def start_mesh_with(
     return mesh
 
 
+# The kit's defaults (logprob_kit.py), as token IDs: its three prompts, and its probe IDs
+# with 1000 (outside the shared mock's 1000-token vocabulary) replaced by 999.
+CROSS_MODE_PROMPTS = [
+    [791, 686, 315, 982, 374],  # "The capital of France is"
+    [849, 18975, 31228, 25213, 304, 4382, 3878, 25],  # "Explain quantum computing ..."
+    [15724, 374, 264, 40798, 1938, 323, 358, 1093],  # "Today is a sunny day and I like"
+]
+CROSS_MODE_PROMPTS = [[t % 1000 for t in p] for p in CROSS_MODE_PROMPTS]
+DEFAULT_PROBE_TOKEN_IDS = [1, 2, 10, 100, 999]
+DEFAULT_TOP_LOGPROBS_NUM = 5
+DEFAULT_DECIMAL_PLACES = 1
+
+
+async def generate_with_logprobs(
+    url: str,
+    input_ids: list[int],
+    max_new_tokens: int,
+    top_logprobs_num: int,
+    token_ids_logprob: list[int] | None = None,
+    logprob_start_len: int = -1,
+) -> dict[str, Any]:
+    """logprob_kit `generate_with_logprobs`, token IDs in; a non-200 answer fails."""
+    payload: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new_tokens},
+        "return_logprob": True,
+        "top_logprobs_num": top_logprobs_num,
+        "logprob_start_len": logprob_start_len,
+        "return_text_in_logprobs": False,
+    }
+    if token_ids_logprob is not None:
+        payload["token_ids_logprob"] = token_ids_logprob
+    reply = await post_json(url + "/generate", payload)
+    assert reply.status == 200, f"Server returned {reply.status}: {reply.body}"
+    body: dict[str, Any] = reply.body
+    return body
+
+
+def _compare_token_logprobs(target: list[Any], baseline: list[Any], places: int, tag: str) -> None:
+    assert len(target) == len(baseline), f"[{tag}] length mismatch"
+    for i, (t, b) in enumerate(zip(target, baseline, strict=True)):
+        if t[0] is None or b[0] is None:
+            continue
+        assert t[1] == b[1], f"[{tag}] token_id mismatch at pos {i}: {t[1]} vs {b[1]}"
+        assert round(abs(t[0] - b[0]), places) == 0, f"[{tag}] pos {i}: {t[0]} vs {b[0]}"
+
+
+def _compare_top_logprobs(target: list[Any], baseline: list[Any], places: int, tag: str) -> None:
+    assert len(target) == len(baseline), f"[{tag}] length mismatch"
+    for pos, (t_top, b_top) in enumerate(zip(target, baseline, strict=True)):
+        if t_top is None or b_top is None:
+            continue
+        dec = {e[1]: e[0] for e in t_top if e[0] is not None}
+        scr = {e[1]: e[0] for e in b_top if e[0] is not None}
+        common = set(dec) & set(scr)
+        assert common, f"[{tag}] pos {pos}: no common top-k IDs"
+        for tid in common:
+            assert round(abs(dec[tid] - scr[tid]), places) == 0, f"[{tag}] pos {pos} tid={tid}"
+
+
+def _compare_ids_logprobs(target: list[Any], baseline: list[Any], places: int, tag: str) -> None:
+    assert len(target) == len(baseline), f"[{tag}] length mismatch"
+    for pos, (t_ids, b_ids) in enumerate(zip(target, baseline, strict=True)):
+        if t_ids is None or b_ids is None:
+            continue
+        dec = {e[1]: e[0] for e in t_ids}
+        scr = {e[1]: e[0] for e in b_ids}
+        assert set(dec) == set(scr), f"[{tag}] pos {pos}: token IDs differ"
+        for tid, value in dec.items():
+            assert round(abs(value - scr[tid]), places) == 0, f"[{tag}] pos {pos} tid={tid}"
+
+
+async def run_logprob_cross_mode_check(
+    url: str,
+    prompts: list[list[int]] | None = None,
+    max_new_tokens: int = 32,
+    top_logprobs_num: int = DEFAULT_TOP_LOGPROBS_NUM,
+    token_ids_logprob: list[int] | None = None,
+    decimal_places: int = DEFAULT_DECIMAL_PLACES,
+) -> None:
+    """logprob_kit `run_logprob_cross_mode_check`: generate (logprob_start_len 0), then
+    score prompt + output by prefill (max_new_tokens 0); every logprob artifact of the
+    decode equals the prefill's at the same positions."""
+    probes = token_ids_logprob if token_ids_logprob is not None else DEFAULT_PROBE_TOKEN_IDS
+    for round_idx, prompt in enumerate(prompts or CROSS_MODE_PROMPTS):
+        tag = f"round {round_idx}"
+        meta = (
+            await generate_with_logprobs(
+                url, prompt, max_new_tokens, top_logprobs_num, probes, logprob_start_len=0
+            )
+        )["meta_info"]
+        p = meta["prompt_tokens"]
+        full = [t[1] for t in meta["input_token_logprobs"]] + [
+            t[1] for t in meta["output_token_logprobs"]
+        ]
+        score = (await generate_with_logprobs(url, full, 0, top_logprobs_num, probes, 0))[
+            "meta_info"
+        ]
+        _compare_token_logprobs(
+            meta["output_token_logprobs"],
+            score["input_token_logprobs"][p:],
+            decimal_places,
+            f"{tag} output_token_logprobs",
+        )
+        _compare_token_logprobs(
+            meta["input_token_logprobs"],
+            score["input_token_logprobs"][:p],
+            decimal_places,
+            f"{tag} input_token_logprobs",
+        )
+        if top_logprobs_num > 0:
+            _compare_top_logprobs(
+                meta["output_top_logprobs"],
+                score["input_top_logprobs"][p:],
+                decimal_places,
+                f"{tag} output_top_logprobs",
+            )
+            _compare_top_logprobs(
+                meta["input_top_logprobs"],
+                score["input_top_logprobs"][:p],
+                decimal_places,
+                f"{tag} input_top_logprobs",
+            )
+        if probes:
+            _compare_ids_logprobs(
+                meta["output_token_ids_logprobs"],
+                score["input_token_ids_logprobs"][p:],
+                decimal_places,
+                f"{tag} output_token_ids_logprobs",
+            )
+            if meta.get("input_token_ids_logprobs") is not None:
+                _compare_ids_logprobs(
+                    meta["input_token_ids_logprobs"],
+                    score["input_token_ids_logprobs"][:p],
+                    decimal_places,
+                    f"{tag} input_token_ids_logprobs",
+                )
+        assert len(meta["input_token_logprobs"]) == p, f"{tag}: input logprobs != prompt"
+
+
+async def run_logprob_start_len_check(
+    url: str, prompts: list[list[int]] | None = None, max_new_tokens: int = 8
+) -> None:
+    """logprob_kit `run_logprob_start_len_check`: for start lengths 0, 1, P/2, P-1, the
+    input arrays hold P - start entries and the output arrays max_new_tokens."""
+    for prompt in prompts or CROSS_MODE_PROMPTS:
+        probe = await generate_with_logprobs(url, prompt, 1, 0, None, -1)
+        p = probe["meta_info"]["prompt_tokens"]
+        for start in [0, 1, p // 2, p - 1]:
+            if start >= p:
+                continue
+            meta = (await generate_with_logprobs(url, prompt, max_new_tokens, 5, None, start))[
+                "meta_info"
+            ]
+            assert len(meta["input_token_logprobs"]) == p - start, (prompt, start)
+            assert len(meta["input_top_logprobs"]) == p - start, (prompt, start)
+            assert len(meta["output_token_logprobs"]) == max_new_tokens
+            assert meta["prompt_tokens"] == start + len(meta["input_token_logprobs"])
+
+
 # ---------------------------------------------------------------------------- processes
 
 
