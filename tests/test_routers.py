@@ -192,7 +192,7 @@ async def test_sglang_router_adds_model_and_return_bytes(
     sglang_tap.seen.clear()
     await post_json(sglang_router.url + "/generate", SGLANG_BODY)
     forwarded = [s for s in sglang_tap.seen if s.path == "/generate"]
-    assert len(forwarded) == 1
+    assert len(forwarded) == 1, sglang_tap.paths()
     sent = json_of(forwarded[0])
     added = {k: v for k, v in sent.items() if k not in SGLANG_BODY}
     assert added == SGLANG_ROUTER_DEFAULTS
@@ -250,7 +250,7 @@ async def test_vllm_router_forwards_body_unchanged(
     vllm_tap.seen.clear()
     await post_json(vllm_router.url + "/inference/v1/generate", VLLM_BODY)
     forwarded = [s for s in vllm_tap.seen if s.path == "/inference/v1/generate"]
-    assert len(forwarded) == 1
+    assert len(forwarded) == 1, vllm_tap.paths()
     # it re-serialises the body too, adding only `stream`'s default
     assert json_of(forwarded[0]) == {**VLLM_BODY, "stream": False}
 

@@ -2,10 +2,10 @@
 token IDs and the mock engine, and what the router tests need (free ports, a wiretap that
 records what a router sends, router subprocesses that always stop).
 
-Ported from:
-- sgl-project/sglang `python/sglang/test/kits/logprob_kit.py` @ 967d614c3f6f
-  (`run_logprob_check`, `run_logprob_start_len_check`), also in
-  `python/sglang/test/test_utils.py` (`run_logprob_check`).
+Ported from sgl-project/sglang `python/sglang/test/kits/logprob_kit.py` @ 967d614c3f6f:
+`run_logprob_check` (also in `python/sglang/test/test_utils.py`),
+`generate_with_logprobs`, `run_logprob_cross_mode_check` and its `_compare_*` helpers,
+`run_logprob_start_len_check`. Their assertions are upstream's; inputs are token IDs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -457,16 +457,6 @@ class Wiretap:
                 await reply.write(chunk)
             await reply.write_eof()
             return reply
-
-
-@contextlib.contextmanager
-def wiretap(target: str) -> Iterator[Wiretap]:
-    tap = Wiretap(target)
-    tap.start()
-    try:
-        yield tap
-    finally:
-        tap.stop()
 
 
 def json_of(seen: Seen) -> Any:
