@@ -244,6 +244,18 @@ async def test_vllm_router_also_routes_sglang_generate(
     assert _strip(routed.body) == _strip(direct.body)
 
 
+async def test_vllm_router_also_streams_sglang_generate(
+    mesh: InProcessMesh, vllm_router: RouterProcess
+) -> None:
+    direct = await stream(mesh.http_url + "/generate", SGLANG_BODY)
+    routed = await stream(vllm_router.url + "/generate", SGLANG_BODY)
+    assert direct.status == 200, direct.raw
+    assert routed.status == 200, routed.raw
+    assert routed.headers["content-type"].startswith("text/event-stream")
+    assert _strip(routed.events) == _strip(direct.events)
+    assert routed.events[-1] == "[DONE]"
+
+
 async def test_vllm_router_forwards_body_unchanged(
     vllm_router: RouterProcess, vllm_tap: Wiretap
 ) -> None:
