@@ -28,8 +28,9 @@ handles; a fanned-out sample's `sampling_params` say `n = 1` and carry its own s
 it only from `sampling_params.extra_args`, copies it there.
 
 Validation is vLLM's: the body is validated by the pydantic models in `schema.py`, and a
-failure is answered as vLLM's RequestValidationError handler answers it (every pydantic
-error listed, `param` = the first error's dotted location, e.g. `body.token_ids`). Unknown
+failure is answered as the newest vLLM's RequestValidationError handler answers it (the
+error count, then at most ten errors with their inputs summarised, `param` = the first
+error's dotted location, e.g. `body.token_ids`). Unknown
 fields, top level or in `sampling_params` or `stream_options`, are ignored as vLLM ignores
 them (and logged once per name). What vLLM accepts but this server cannot deliver is
 refused afterwards, by its value only.
@@ -131,22 +132,82 @@ def _reject(message: str, param: str | None = None, status: int = 400) -> Reques
     return RequestRejected(status, body, body["error"]["message"])
 
 
+# vLLM's bounds on its validation answer (newest handlers/validation.py): pydantic repeats
+# the whole offending value in every error, so a 5 kB body of bad list items once made a
+# 24 MB answer. At most this many errors are listed, each value and each error cut short.
+_MAX_REPORTED_ERRORS = 10
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+_TRUNCATED = "...[truncated]"
+
+
+def _summarize_input(value: object) -> object:
+    """vLLM's `_summarize_error_input`: a string cut short, a container described (its
+    repr is never built), anything else as its bounded `str`."""
+    if isinstance(value, str):
+        if len(value) > _MAX_ERROR_INPUT_CHARS:
+            return value[:_MAX_ERROR_INPUT_CHARS] + _TRUNCATED
+        return value
+    if isinstance(value, bytes | bytearray):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except Exception:  # e.g. an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    if len(text) > _MAX_ERROR_INPUT_CHARS:
+        return text[:_MAX_ERROR_INPUT_CHARS] + _TRUNCATED
+    return text
+
+
+def _format_error(err: object) -> str:
+    """vLLM's `_format_error`: one error, its input summarised and its `loc` cleaned."""
+    if isinstance(err, dict):
+        err = dict(err)
+        if "input" in err:
+            err["input"] = _summarize_input(err["input"])
+        loc = err.get("loc")
+        if isinstance(loc, tuple | list):
+            err["loc"] = _param_of(tuple(loc))
+    text = str(err)
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[:_MAX_ERROR_CHARS] + _TRUNCATED
+    return text
+
+
 def _invalid(errors: list[Any], param: str | None) -> RequestRejected:
-    """vLLM's RequestValidationError answer: every error listed, as FastAPI reports it."""
+    """vLLM's RequestValidationError answer: the count, then at most ten errors."""
     count = len(errors)
-    message = f"{count} validation {'error' if count == 1 else 'errors'}:\n"
-    message = (message + "".join(f"  {err}\n" for err in errors)).rstrip()
-    body = error(message, 400, param, VALIDATION_ERROR_TYPE)
+    label = "error" if count == 1 else "errors"
+    reported = errors[:_MAX_REPORTED_ERRORS]
+    message = f"{count} validation {label}:\n"
+    message += "".join(f"  {_format_error(err)}\n" for err in reported)
+    if count > len(reported):
+        message += f"  ...and {count - len(reported)} more {label}\n"
+    body = error(message.rstrip(), 400, param, VALIDATION_ERROR_TYPE)
     return RequestRejected(400, body, body["error"]["message"])
 
 
-# pydantic-core's wrapper/union-branch markers, which vLLM drops from `param` paths.
+# pydantic-core's wrapper/union-branch markers, which vLLM drops from `param` paths:
+# anything bracketed, and its schema-kind names (vLLM's `_INTERNAL_LOC_MARKERS`).
 _INTERNAL_LOC = re.compile(r"[\[\]{}()]")
+_INTERNAL_LOC_MARKERS = frozenset(
+    ("function-wrap", "function-after", "function-before", "function-plain",
+     "json-or-python", "lax-or-strict", "chain", "default", "nullable", "tagged-union",
+     "union", "call", "arguments", "is-instance", "is-subclass", "callable", "str", "int",
+     "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+     "complex", "none", "nonetype")
+)  # fmt: skip
+
+
+def _internal_segment(segment: str) -> bool:
+    return bool(_INTERNAL_LOC.search(segment)) or segment.lower() in _INTERNAL_LOC_MARKERS
 
 
 def _param_of(loc: tuple[Any, ...]) -> str:
     """vLLM's `clean_loc_for_param`: the dotted location without pydantic's markers."""
-    parts = [str(p) for p in loc if not _INTERNAL_LOC.search(str(p))]
+    parts = [str(p) for p in loc if not _internal_segment(str(p))]
     return ".".join(parts) if parts else ".".join(str(p) for p in loc)
 
 
