@@ -568,8 +568,8 @@ def test_bad_sampling_values_get_vllms_words(
 def test_structured_outputs_take_one_constraint() -> None:
     text, _ = invalid(raw(sampling_params={"structured_outputs": {"regex": "a", "choice": ["b"]}}))
     assert (
-        "'loc': 'body.sampling_params.structured_outputs', 'msg': \"Value error, You can only use one kind "
-        "of structured outputs constraint but multiple are specified: {'json': None, "
+        "'loc': 'body.sampling_params.structured_outputs', 'msg': \"Value error, You can only "
+        "use one kind of structured outputs constraint but multiple are specified: {'json': None, "
         "'regex': 'a', 'choice': ['b'],"
     ) in text
     assert sp(structured_outputs={"regex": "a+"}).items[0].engine["sampling_params"] == {

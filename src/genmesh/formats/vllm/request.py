@@ -176,7 +176,7 @@ def _format_error(err: object) -> str:
     return text
 
 
-def _invalid(errors: list[Any], param: str | None) -> RequestRejected:
+def invalid(errors: list[Any], param: str | None) -> RequestRejected:
     """vLLM's RequestValidationError answer: the count, then at most ten errors."""
     count = len(errors)
     label = "error" if count == 1 else "errors"
@@ -211,7 +211,7 @@ def _param_of(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) if parts else ".".join(str(p) for p in loc)
 
 
-def _validation_rejected(exc: ValidationError) -> RequestRejected:
+def validation_rejected(exc: ValidationError) -> RequestRejected:
     errors = body_errors(exc.errors(include_url=False))
     param = None
     for err in errors:
@@ -221,7 +221,7 @@ def _validation_rejected(exc: ValidationError) -> RequestRejected:
             break
     if param is None and errors:
         param = _param_of(errors[0]["loc"])
-    return _invalid(errors, param)
+    return invalid(errors, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,14 +258,14 @@ def parse(body: bytes) -> Any:
             answer = error(UNREADABLE_BODY, 400, None, "Bad Request")
             return _Unparsed(RequestRejected(400, answer, UNREADABLE_BODY))
         loc = exc.errors[0]["loc"]
-        return _Unparsed(_invalid(exc.errors, ".".join(str(p) for p in loc)))
+        return _Unparsed(invalid(exc.errors, ".".join(str(p) for p in loc)))
 
 
 def _check_content_type(headers: Mapping[str, str]) -> None:
     """vLLM's `validate_json_request`: only `application/json` bodies."""
     content_type = (_header(headers, "content-type") or "").lower()
     if content_type.split(";", 1)[0] != "application/json":
-        raise _invalid(["Unsupported Media Type: Only 'application/json' is allowed"], None)
+        raise invalid(["Unsupported Media Type: Only 'application/json' is allowed"], None)
 
 
 def _client_id(req: GenerateRequest, headers: Mapping[str, str]) -> str | None:
@@ -416,7 +416,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     try:
         req = GenerateRequest.model_validate(body)
     except ValidationError as exc:
-        raise _validation_rejected(exc) from None
+        raise validation_rejected(exc) from None
     raw_sp: dict[str, Any] = body["sampling_params"]  # a dict: validation passed
     IGNORED.note(set(body) - TOP_LEVEL_FIELDS)
     IGNORED.note(set(raw_sp) - SAMPLING_FIELDS, "sampling_params.")
