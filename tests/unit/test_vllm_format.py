@@ -1337,3 +1337,52 @@ def test_error_messages_are_sanitised_as_vllm_does() -> None:
     assert "/home/me" not in text
     assert "'input': '<path>'" in text
     assert error("bad <object at 0x7f3a2b>")["error"]["message"] == "bad <object>"
+
+
+# ------------------------------------------------ logprob counts against max_logprobs
+
+
+def limits(vocab: int | None, max_logprobs: int | None) -> EngineCatalog:
+    info = EngineInfo(model="m", context_length=CTX, vocab_size=vocab, max_logprobs=max_logprobs)
+    return EngineCatalog([info])
+
+
+@pytest.mark.parametrize(
+    ("params", "message", "param"),
+    [
+        ({"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max "
+         "allowed: 20 (parameter=logprobs, value=21)", "logprobs"),
+        ({"logprobs": -1}, "Requested sample logprobs of 1000, which is greater than max "
+         "allowed: 20 (parameter=logprobs, value=1000)", "logprobs"),
+        ({"prompt_logprobs": 30}, "Requested prompt logprobs of 30, which is greater than max "
+         "allowed: 20 (parameter=prompt_logprobs, value=30)", "prompt_logprobs"),
+        # vLLM checks sample logprobs before prompt logprobs.
+        ({"logprobs": 25, "prompt_logprobs": 30}, "Requested sample logprobs of 25", "logprobs"),
+    ],
+)  # fmt: skip
+def test_logprob_counts_are_checked_against_max_logprobs(
+    params: dict[str, Any], message: str, param: str
+) -> None:
+    rejected = refused_with(limits(1000, 20), 3, max_tokens=1, **params)
+    assert rejected.body["error"]["message"].startswith(message)
+    assert rejected.body["error"]["param"] == param
+
+
+def test_logprobs_within_the_limit_pass_and_minus_one_is_the_vocabulary() -> None:
+    item = bind_with(limits(1000, 20), 3, max_tokens=1, logprobs=20, prompt_logprobs=0).items[0]
+    assert (item.output.logprobs, item.output.top_logprobs) == (True, 20)
+    # 0 asks for the sampled token only: vLLM's walrus skips the check.
+    assert bind_with(limits(1000, 5), 3, max_tokens=1, logprobs=0).items[0].output.top_logprobs == 0
+    # An engine whose limit is its vocabulary (vLLM --max-logprobs -1) serves -1 in full.
+    whole = bind_with(limits(50, 50), 3, max_tokens=1, logprobs=-1).items[0]
+    assert whole.output.top_logprobs == 50
+    assert whole.engine["sampling_params"]["logprobs"] == -1  # the engine gets the body
+
+
+def test_without_a_stated_limit_the_engine_decides() -> None:
+    # No max_logprobs in the cards: any count is passed on (a real vLLM checks its own).
+    item = bind_with(limits(1000, None), 3, max_tokens=1, logprobs=500).items[0]
+    assert item.output.top_logprobs == 500
+    # No vocabulary size: -1 cannot be resolved.
+    rejected = refused_with(limits(None, 20), 3, max_tokens=1, logprobs=-1)
+    assert "needs the vocabulary size" in rejected.body["error"]["message"]

@@ -306,10 +306,6 @@ def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams)
     if sp.bad_words:
         raise _reject("bad_words need a tokenizer and this tokens-only server has none",
                       "sampling_params.bad_words")  # fmt: skip
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(sp, name) == -1:
-            raise _reject(f"{name}=-1 (the whole vocabulary) is not supported by this server; "
-                          "ask for a top-k", f"sampling_params.{name}")  # fmt: skip
     for name in ("logprob_token_ids", "prompt_logprob_token_ids", "trace_decode_token_ids"):
         if getattr(sp, name) is not None:
             raise _reject(f"{name} is not supported by this server", f"sampling_params.{name}")
@@ -321,6 +317,34 @@ def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams)
         raise _reject("thinking_token_budget is set but reasoning_config is not configured. "
                       "Please set --reasoning-parser and/or --reasoning-config to use "
                       "thinking_token_budget.", "thinking_token_budget")  # fmt: skip
+
+
+def _logprobs(sp: SamplingParams, info: EngineInfo | None) -> tuple[int | None, int | None]:
+    """The sample and prompt logprob counts, `-1` resolved to the vocabulary size, checked
+    as vLLM's `SamplingParams._validate_logprobs` checks them against `max_logprobs`.
+
+    vLLM always knows both (its default `--max-logprobs` is 20). The mesh knows them only
+    when the engines state them in their cards: without `max_logprobs` nothing is checked
+    here (the engine behind the worker checks its own limit, e.g. a real vLLM's), and
+    without the vocabulary size `-1` cannot be resolved, so it is refused."""
+    vocab = info.vocab_size if info else None
+    limit = info.max_logprobs if info else None
+    resolved: list[int | None] = []
+    for kind, name in (("sample", "logprobs"), ("prompt", "prompt_logprobs")):
+        count: int | None = getattr(sp, name)
+        if count == -1:
+            if vocab is None:
+                raise _reject(f"{name}=-1 (the whole vocabulary) needs the vocabulary size, "
+                              "which this server's engines do not state; ask for a top-k",
+                              f"sampling_params.{name}")  # fmt: skip
+            count = vocab
+        if count and limit is not None and count > limit:
+            # vLLM's VLLMValidationError, whose str() appends its parameter and value.
+            raise _reject(f"Requested {kind} logprobs of {count}, which is greater than max "
+                          f"allowed: {limit} (parameter={name}, value={count})",
+                          name)  # fmt: skip
+        resolved.append(count)
+    return resolved[0], resolved[1]
 
 
 def _check_token_ids(prompt: list[int], sp: SamplingParams) -> None:
@@ -438,7 +462,11 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     _refuse_what_this_server_cannot_do(req, sp)
     prompt = req.token_ids
     _check_token_ids(prompt, sp)
-    max_tokens = _max_tokens(sp, "max_tokens" in raw_sp, len(prompt), engines.get(req.model))
+    info = engines.get(req.model)
+    # The serving layer settles max_tokens; the engine's SamplingParams.verify then checks
+    # the logprob counts: vLLM refuses in that order.
+    max_tokens = _max_tokens(sp, "max_tokens" in raw_sp, len(prompt), info)
+    k_out, k_prompt = _logprobs(sp, info)
 
     stream_options = req.stream_options
     include_usage = stream_options is not None and bool(stream_options.include_usage)
@@ -450,7 +478,6 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     )
     client_id = _client_id(req, headers)
     base = _canonical(sp, max_tokens)
-    k_out, k_prompt = sp.logprobs, sp.prompt_logprobs
     items: list[Envelope] = []
     for index in range(n):
         canonical = base.copy()
