@@ -17,7 +17,12 @@ from aiohttp import web
 
 from genmesh.engines.http import HttpEngineConfig
 from genmesh.engines.sglang import SglangEngine
-from genmesh.engines.vllm import VllmEngine, cache_config_labels, dev_max_logprobs
+from genmesh.engines.vllm import (
+    ABORT_PROBE_ID,
+    VllmEngine,
+    cache_config_labels,
+    dev_max_logprobs,
+)
 from genmesh.shared.engine_info import EngineInfo
 from genmesh.testkit import sglang as sglang_kit
 from genmesh.testkit import vllm as vllm_kit
@@ -236,3 +241,24 @@ def test_dev_max_logprobs_reads_only_a_stated_positive_limit() -> None:
     # -1 is "the vocabulary size", which no route states.
     for unknown in (info(-1), info(0), info("20"), info(True), {"vllm_config": "text"}, None):
         assert dev_max_logprobs(unknown) is None
+
+
+async def test_vllm_abort_route_probe_names_an_id_so_it_aborts_nothing() -> None:
+    """The adapter learns whether `/abort_requests` exists by calling it. On a current
+    vLLM that route is the cancel router's, where an empty `request_ids` aborts every
+    request on the server: the probe must name an ID."""
+    bodies: list[Any] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/abort_requests":
+            bodies.append(await request.json())
+        return await handler(request)
+
+    app = vllm_kit.build_app(CONFIG)
+    app.middlewares.append(record)
+    async with serving(app) as url:
+        engine = VllmEngine(HttpEngineConfig(url))
+        await learnt(engine)
+    assert engine.describe()["abort_requests"] is True  # the probe did learn the route
+    assert bodies == [{"request_ids": [ABORT_PROBE_ID]}]

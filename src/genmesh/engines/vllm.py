@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/abort_requests"
+# What the health check aborts to learn whether the server has ABORT_PATH: no request.
+ABORT_PROBE_ID = "genmesh-abort-route-probe"
 # vLLM's own name for a request submitted with `request_id: X` (reference §B.2).
 ENGINE_ID_PREFIX = "generate-tokens-"
 # Fields of a vLLM-format request the adapter sets itself (the format strips them too).
@@ -518,8 +520,10 @@ class VllmEngine(HttpEngineBase):
                     await self._get(f"{base}/server_info?config_format=json", timeout, json=True)
                 )
             if self._abort_offered is None:
+                # An ID nothing runs under: a current vLLM answers /abort_requests with its
+                # cancel router, which aborts *every* request when the list is empty.
                 async with self.session.post(
-                    f"{base}{ABORT_PATH}", json={"request_ids": []}, timeout=timeout
+                    f"{base}{ABORT_PATH}", json={"request_ids": [ABORT_PROBE_ID]}, timeout=timeout
                 ) as r:
                     await r.read()
                     self._learn_abort(r.status)
