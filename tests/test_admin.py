@@ -264,8 +264,12 @@ def long_vllm(**more: Any) -> dict[str, Any]:
 
 
 async def test_vllm_abort_requests(two_fronts: Any) -> None:
+    """vLLM's cancel router answers /abort_requests (it is mounted before the tokens-only
+    router, serve/cancel/api_router.py): JSON listing what it cancelled. The tokens-only
+    route's own answers (200 empty, 400 without request_ids) stay at
+    /inference/v1/abort_requests."""
     _mesh, first, second = two_fronts
-    missing = await post(second + "/abort_requests", {})
+    missing = await post(second + "/inference/v1/abort_requests", {})
     assert missing.status == 400
     assert missing.body == {
         "error": {
@@ -280,8 +284,13 @@ async def test_vllm_abort_requests(two_fronts: Any) -> None:
         stream(first + "/inference/v1/generate", body, headers={"X-Request-Id": "v-1"})
     )
     await wait_inflight(first, 2)
-    reply = await post(second + "/abort_requests", {"request_ids": ["generate-tokens-v-1"]})
-    assert (reply.status, reply.body) == (200, "")
+    reply = await post(
+        second + "/abort_requests", {"request_ids": ["generate-tokens-v-1", "generate-tokens-no"]}
+    )
+    assert (reply.status, reply.body) == (
+        200,
+        {"status": "cancelled", "cancelled_request_ids": ["generate-tokens-v-1"]},
+    )
     result = await asyncio.wait_for(task, 10)
     assert result.status == 200
     finals = [
@@ -292,6 +301,60 @@ async def test_vllm_abort_requests(two_fronts: Any) -> None:
         if c["finish_reason"] is not None
     ]
     assert finals == ["abort", "abort"]
+
+
+async def test_vllm_tokens_only_abort_answers_empty(two_fronts: Any) -> None:
+    _mesh, first, second = two_fronts
+    task = asyncio.create_task(
+        stream(first + "/inference/v1/generate", long_vllm(), headers={"X-Request-Id": "t-1"})
+    )
+    await wait_inflight(first, 1)
+    reply = await post(
+        second + "/inference/v1/abort_requests", {"request_ids": ["generate-tokens-t-1"]}
+    )
+    assert (reply.status, reply.body) == (200, "")
+    result = await asyncio.wait_for(task, 10)
+    assert [e for e in result.events if isinstance(e, dict)][-1]["choices"][0][
+        "finish_reason"
+    ] == "abort"
+
+
+@pytest.mark.parametrize("body", [{}, {"request_ids": []}, None], ids=["empty", "no-ids", "none"])
+async def test_vllm_abort_requests_without_ids_aborts_everything(
+    two_fronts: Any, body: Any
+) -> None:
+    """No IDs on the cancel router's /abort_requests: every in-flight request, of any
+    format and through any frontend, is aborted and listed."""
+    _mesh, first, second = two_fronts
+    vllm = asyncio.create_task(
+        stream(first + "/inference/v1/generate", long_vllm(), headers={"X-Request-Id": "all-v"})
+    )
+    sglang = asyncio.create_task(
+        post(first + "/generate", {"input_ids": [1, 2, 3], "rid": "all-s",
+                                   "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}})
+    )  # fmt: skip
+    await wait_inflight(first, 2)
+    reply = await post(second + "/abort_requests", body)
+    assert reply.status == 200, reply.body
+    assert reply.body["status"] == "cancelled"
+    assert sorted(reply.body["cancelled_request_ids"]) == ["all-s", "all-v"]
+    vllm_result = await asyncio.wait_for(vllm, 10)
+    events = [e for e in vllm_result.events if isinstance(e, dict)]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    sglang_result = await asyncio.wait_for(sglang, 10)
+    assert sglang_result.body["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_vllm_batch_cancel_refuses_a_body_that_is_not_a_cancel_request(
+    two_fronts: Any,
+) -> None:
+    _mesh, _first, second = two_fronts
+    reply = await post(second + "/v1/requests/cancel", {"request_ids": "generate-tokens-x"})
+    assert reply.status == 400
+    assert reply.body["error"]["param"] == "body.request_ids"
+    assert reply.body["error"]["type"] == "Bad Request"
+    assert reply.body["error"]["message"].startswith("1 validation error:\n")
+    assert "'type': 'list_type'" in reply.body["error"]["message"]
 
 
 async def test_vllm_cancel_route(two_fronts: Any) -> None:

@@ -377,9 +377,9 @@ async def test_routing_headers_and_fields_are_accepted(mesh: AnyMesh) -> None:
         ({"token_ids": [], "sampling_params": {}}, "at least 1 item", "body.token_ids"),
         ({"token_ids": [1, -2], "sampling_params": {}}, "token_ids must not contain negative",
          "body.token_ids"),
-        ({"token_ids": [1]}, "'loc': ('body', 'sampling_params'), 'msg': 'Field required'",
+        ({"token_ids": [1]}, "'loc': 'body.sampling_params', 'msg': 'Field required'",
          "body.sampling_params"),
-        ({"sampling_params": {}}, "'loc': ('body', 'token_ids'), 'msg': 'Field required'",
+        ({"sampling_params": {}}, "'loc': 'body.token_ids', 'msg': 'Field required'",
          "body.token_ids"),
         ({"token_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]",
          "top_p"),
@@ -436,7 +436,15 @@ async def test_unknown_fields_are_ignored_as_vllm_ignores_them(mesh: AnyMesh) ->
             {"token_ids": [1], "sampling_params": {"structured_outputs": {"regex": "a+"}}},
             "guided decoding",
         ),
-        ({"token_ids": [1], "sampling_params": {"logprobs": 21}}, "at most 20 top logprobs"),
+        # vLLM's own refusal: the mock states max_logprobs 20 in its card.
+        (
+            {"token_ids": [1], "sampling_params": {"logprobs": 21}},
+            "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        ),
+        (
+            {"token_ids": [1], "sampling_params": {"prompt_logprobs": -1}},
+            "Requested prompt logprobs of 1000, which is greater than max allowed: 20",
+        ),
     ],
 )
 async def test_bad_requests_get_vllm_errors(

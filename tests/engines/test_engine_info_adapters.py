@@ -1,7 +1,8 @@
 """The SGLang and vLLM adapters advertise what their servers state about themselves (the
 card's `engine_info`), read over real HTTP from the testkit's mock servers launched with
 known limits: SGLang's `/server_info` (or the older `/get_server_info`) and `/v1/models`;
-vLLM's `/v1/models`, `/version` and the `vllm:cache_config_info` series of `/metrics`."""
+vLLM's `/v1/models`, `/version`, the `vllm:cache_config_info` series of `/metrics` and,
+in dev mode, `/server_info`'s `max_logprobs`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ from aiohttp import web
 
 from genmesh.engines.http import HttpEngineConfig
 from genmesh.engines.sglang import SglangEngine
-from genmesh.engines.vllm import VllmEngine, cache_config_labels
+from genmesh.engines.vllm import (
+    ABORT_PROBE_ID,
+    VllmEngine,
+    cache_config_labels,
+    dev_max_logprobs,
+)
 from genmesh.shared.engine_info import EngineInfo
 from genmesh.testkit import sglang as sglang_kit
 from genmesh.testkit import vllm as vllm_kit
@@ -202,3 +208,57 @@ async def test_vllm_kv_capacity_from_a_token_labelled_page() -> None:
         info = await learnt(VllmEngine(HttpEngineConfig(url)))
     assert info is not None
     assert (info.max_total_num_tokens, info.block_size) == (10576, 16)
+
+
+def dev_server_info(max_logprobs: Any) -> Any:
+    """Middleware: the dev-mode `GET /server_info` (VLLM_SERVER_DEV_MODE=1), whose JSON
+    form dumps the VllmConfig; only `model_config.max_logprobs` matters here."""
+
+    @web.middleware
+    async def route(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/server_info" and request.query.get("config_format") == "json":
+            config = {"model_config": {"model": "served-model", "max_logprobs": max_logprobs}}
+            return web.json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
+        return await handler(request)
+
+    return route
+
+
+async def test_vllm_dev_mode_server_states_max_logprobs() -> None:
+    app = vllm_kit.build_app(CONFIG)
+    app.middlewares.append(dev_server_info(50))
+    async with serving(app) as url:
+        info = await learnt(VllmEngine(HttpEngineConfig(url)))
+    assert info is not None
+    assert (info.max_logprobs, info.vocab_size) == (50, None)
+
+
+def test_dev_max_logprobs_reads_only_a_stated_positive_limit() -> None:
+    def info(value: Any) -> Any:
+        return {"vllm_config": {"model_config": {"max_logprobs": value}}}
+
+    assert dev_max_logprobs(info(20)) == 20
+    # -1 is "the vocabulary size", which no route states.
+    for unknown in (info(-1), info(0), info("20"), info(True), {"vllm_config": "text"}, None):
+        assert dev_max_logprobs(unknown) is None
+
+
+async def test_vllm_abort_route_probe_names_an_id_so_it_aborts_nothing() -> None:
+    """The adapter learns whether `/abort_requests` exists by calling it. On a current
+    vLLM that route is the cancel router's, where an empty `request_ids` aborts every
+    request on the server: the probe must name an ID."""
+    bodies: list[Any] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/abort_requests":
+            bodies.append(await request.json())
+        return await handler(request)
+
+    app = vllm_kit.build_app(CONFIG)
+    app.middlewares.append(record)
+    async with serving(app) as url:
+        engine = VllmEngine(HttpEngineConfig(url))
+        await learnt(engine)
+    assert engine.describe()["abort_requests"] is True  # the probe did learn the route
+    assert bodies == [{"request_ids": [ABORT_PROBE_ID]}]

@@ -507,7 +507,12 @@ async def test_validation_errors_are_400(vllm: Server, payload: Any, fragment: s
     [
         ({"max_tokens": 2}, [1, VOCAB], f"Token id {VOCAB} is out of vocabulary"),
         ({"max_tokens": 2}, list(range(CONTEXT)), "maximum model length"),
-        ({"logprobs": 21}, PROMPT, "Requested sample logprobs of 21"),
+        (
+            {"logprobs": 21},
+            PROMPT,
+            "Requested sample logprobs of 21, which is greater than "
+            "max allowed: 20 (parameter=logprobs, value=21)",
+        ),
         ({"logprobs": -1}, PROMPT, f"Requested sample logprobs of {VOCAB}"),
         ({"prompt_logprobs": 25}, PROMPT, "Requested prompt logprobs of 25"),
     ],

@@ -19,6 +19,8 @@ def test_round_trip_keeps_every_field() -> None:
         block_size=16,
         sampling_defaults={"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 64},
         engine_version="x-1",
+        vocab_size=151_936,
+        max_logprobs=20,
     )
     assert EngineInfo.from_wire(info.to_wire()) == info
 
@@ -37,6 +39,8 @@ def test_wrong_types_and_unknown_defaults_are_dropped_not_fatal() -> None:
             "block_size": True,
             "sampling_defaults": {"temperature": "hot", "top_k": 20, "typical_p": 0.5},
             "engine_version": 7,
+            "vocab_size": 0,
+            "max_logprobs": -1,  # vLLM's "the vocabulary": adapters resolve it or omit it
         }
     )
     assert info == EngineInfo(model="m", sampling_defaults={"top_k": 20})
@@ -45,15 +49,22 @@ def test_wrong_types_and_unknown_defaults_are_dropped_not_fatal() -> None:
 def test_catalog_takes_the_tightest_limits_of_a_models_workers() -> None:
     catalog = EngineCatalog(
         [
-            EngineInfo("b", context_length=8192, max_total_num_tokens=50_000),
+            EngineInfo("b", context_length=8192, max_total_num_tokens=50_000, max_logprobs=5),
             EngineInfo("a", context_length=4096),
-            EngineInfo("b", context_length=2048, sampling_defaults={"top_p": 0.9}),
+            EngineInfo(
+                "b",
+                context_length=2048,
+                sampling_defaults={"top_p": 0.9},
+                vocab_size=1000,
+                max_logprobs=20,
+            ),
         ]
     )
     assert catalog.models == ["a", "b"]
     b = catalog.get("b")
     assert b is not None
     assert (b.context_length, b.max_total_num_tokens) == (2048, 50_000)
+    assert (b.vocab_size, b.max_logprobs) == (1000, 5)
     assert catalog.get(None) == catalog.get("a")
     assert catalog.get("c") is None
     assert not NO_ENGINES
@@ -67,6 +78,7 @@ def test_the_mock_advertises_its_limits() -> None:
     assert (info.model, info.context_length) == (config.model, 1000)
     assert info.max_total_num_tokens == config.kv_capacity_tokens
     assert info.sampling_defaults == {"temperature": 0.7}
+    assert (info.vocab_size, info.max_logprobs) == (config.vocab_size, 20)
 
 
 def test_a_worker_that_states_nothing_takes_nothing_away() -> None:

@@ -481,6 +481,28 @@ def test_too_many_top_logprobs_refused() -> None:
     assert len(tops_of(outs)[0]) == MAX_TOP_LOGPROBS
 
 
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max "
+         "allowed: 20 (parameter=logprobs, value=21)"),
+        ({"logprobs": 2, "prompt_logprobs": -1}, "Requested prompt logprobs of 1000, which is "
+         "greater than max allowed: 20 (parameter=prompt_logprobs, value=1000)"),
+    ],
+)  # fmt: skip
+def test_too_many_logprobs_in_a_vllm_request_get_vllms_words(
+    params: dict[str, Any], message: str
+) -> None:
+    """A vLLM-format request that reaches the mock (its frontend knew no max_logprobs)
+    is refused as vLLM's SamplingParams validation refuses it."""
+    env = request([1], max_tokens=1, top_logprobs=21)
+    env.format = "vllm"
+    env.engine = {"sampling_params": params}
+    err = refusal(env, MockConfig(vocab_size=1000, eos_token_id=2))
+    assert err.code is ErrorCode.INVALID_ARGUMENT
+    assert err.message == message
+
+
 async def test_refusal_happens_before_any_output() -> None:
     env = request([1, 2], max_tokens=5)
     env.engine = {"lora_path": "x"}

@@ -162,12 +162,17 @@ async def test_logprobs_minus_one_emits_all_tokens(mesh: InProcessMesh) -> None:
     """logprobs=-1 asks for the whole vocabulary. Upstream calls the renderer directly,
     below validation; over HTTP a default vLLM server (max_logprobs 20) refuses it first,
     in `SamplingParams._validate_logprobs` (vllm/sampling_params.py): -1 counts as the
-    vocabulary size, over the maximum. The adaptation asserts that answer."""
+    vocabulary size, over the maximum. The adaptation asserts that answer, as a server
+    sends it: vLLM's `create_error_response` uses `str(exc)`, and VLLMValidationError's
+    `__str__` (vllm/exceptions.py) appends "(parameter=logprobs, value=1000)"."""
     reply = await post_json(
         mesh.http_url + GEN_ENDPOINT,
         {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "logprobs": -1}},
     )
     assert reply.status == 400, reply.body
     assert reply.body["error"]["message"] == (
-        "Requested sample logprobs of 1000, which is greater than max allowed: 20"
+        "Requested sample logprobs of 1000, which is greater than max allowed: 20 "
+        "(parameter=logprobs, value=1000)"
     )
+    assert reply.body["error"]["param"] == "logprobs"
+    assert reply.body["error"]["type"] == "BadRequestError"

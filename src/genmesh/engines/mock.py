@@ -270,6 +270,8 @@ class MockEngine:
                 block_size=c.block_size,
                 sampling_defaults=dict(c.sampling_defaults),
                 engine_version=f"genmesh-mock-{__version__}",
+                vocab_size=c.vocab_size,
+                max_logprobs=MAX_TOP_LOGPROBS,
             ).to_wire(),
             "speedup": c.speedup,
             "moe": {"layers": c.moe_layers, "top_k": c.moe_top_k, "experts": c.moe_experts},
@@ -314,14 +316,30 @@ class MockEngine:
                     f"valid range is [0, {c.vocab_size}).",
                 )
         if env.output.top_logprobs > MAX_TOP_LOGPROBS:
-            raise MeshError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"at most {MAX_TOP_LOGPROBS} top logprobs per position, "
-                f"asked for {env.output.top_logprobs}",
-            )
+            raise MeshError(ErrorCode.INVALID_ARGUMENT, self._too_many_logprobs(env))
         room = c.max_model_len - prompt_len
         budget = env.sampling.max_tokens
         return room if budget is None else min(budget, room)
+
+    def _too_many_logprobs(self, env: Envelope) -> str:
+        """The refusal of more top logprobs than the mock has: vLLM's words (its
+        `SamplingParams._validate_logprobs`, max_logprobs = 20) for a vLLM-format request,
+        whose frontend did not catch it because it did not know the limit."""
+        sp = env.engine.get("sampling_params") if env.format == "vllm" else None
+        if isinstance(sp, dict):
+            for kind, name in (("sample", "logprobs"), ("prompt", "prompt_logprobs")):
+                count = sp.get(name)
+                if count == -1:
+                    count = self.config.vocab_size
+                if isinstance(count, int) and count > MAX_TOP_LOGPROBS:
+                    return (
+                        f"Requested {kind} logprobs of {count}, which is greater than max "
+                        f"allowed: {MAX_TOP_LOGPROBS} (parameter={name}, value={count})"
+                    )
+        return (
+            f"at most {MAX_TOP_LOGPROBS} top logprobs per position, "
+            f"asked for {env.output.top_logprobs}"
+        )
 
     async def _sleep_ms(self, ms: float) -> None:
         if self.config.speedup > 0:

@@ -216,6 +216,8 @@ class SglangEngine(HttpEngineBase):
             # OpenAI routes, and no route reports it.
             sampling_defaults=sampling_defaults(info.get("preferred_sampling_params")),
             engine_version=f"sglang-{version}" if isinstance(version, str) else None,
+            # vocab_size and max_logprobs stay unknown: neither /server_info nor
+            # /get_model_info states the vocabulary, and SGLang has no logprob limit.
         )
 
     def _incremental(self) -> bool | None:

@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/abort_requests"
+# What the health check aborts to learn whether the server has ABORT_PATH: no request.
+ABORT_PROBE_ID = "genmesh-abort-route-probe"
 # vLLM's own name for a request submitted with `request_id: X` (reference §B.2).
 ENGINE_ID_PREFIX = "generate-tokens-"
 # Fields of a vLLM-format request the adapter sets itself (the format strips them too).
@@ -427,6 +429,17 @@ def _streams(response: aiohttp.ClientResponse) -> bool:
 # ------------------------------------------------------------------------------ engine
 
 
+def dev_max_logprobs(server_info: Any) -> int | None:
+    """`--max-logprobs` as the dev-mode `GET /server_info?config_format=json` states it
+    (`vllm_config.model_config.max_logprobs`; the route exists with VLLM_SERVER_DEV_MODE=1
+    only). Its -1 means "the vocabulary size", which no route states: None then, as
+    for a server without the route."""
+    config = server_info.get("vllm_config") if isinstance(server_info, dict) else None
+    model = config.get("model_config") if isinstance(config, dict) else None
+    value = _int(model.get("max_logprobs")) if isinstance(model, dict) else None
+    return value if value is not None and value > 0 else None
+
+
 class VllmEngine(HttpEngineBase):
     name = "vllm"
 
@@ -437,6 +450,7 @@ class VllmEngine(HttpEngineBase):
         self._max_model_len: int | None = None
         self._version: str | None = None
         self._cache: dict[str, str] = {}
+        self._max_logprobs: int | None = None
         # Whether POST /abort_requests exists (None = not known yet).
         self._abort_offered: bool | None = None
         # The engine request id of every generation in progress, by envelope id.
@@ -456,7 +470,10 @@ class VllmEngine(HttpEngineBase):
         """The card's `engine_info`: what vLLM's HTTP server states. The generation-config
         defaults vLLM applies to unset sampling parameters are stated by no route (only
         the dev-mode `/server_info` dumps the config, and it names the file, not the
-        values), so sampling_defaults stays empty."""
+        values), so sampling_defaults stays empty. `max_logprobs` is read from that same
+        dev-mode route when the server has it; no route states the vocabulary size (the
+        tokens-only server may have no tokenizer, and `/tokenizer_info` is the tokenizer's,
+        not the model's), so vocab_size stays unknown."""
         if self._model is None:
             return None
         block = _label_int(self._cache.get("block_size"))
@@ -471,6 +488,7 @@ class VllmEngine(HttpEngineBase):
             max_total_num_tokens=tokens,
             block_size=block,
             engine_version=f"vllm-{self._version}" if self._version else None,
+            max_logprobs=self._max_logprobs,
         ).to_wire()
 
     def _forget(self) -> None:
@@ -478,6 +496,7 @@ class VllmEngine(HttpEngineBase):
         self._max_model_len = None
         self._version = None
         self._cache = {}
+        self._max_logprobs = None
         self._abort_offered = None
 
     async def healthy(self) -> bool:
@@ -497,9 +516,14 @@ class VllmEngine(HttpEngineBase):
                 if isinstance(version, dict) and isinstance(version.get("version"), str):
                     self._version = version["version"]
                 self._cache = cache_config_labels(await self._get(f"{base}/metrics", timeout))
+                self._max_logprobs = dev_max_logprobs(
+                    await self._get(f"{base}/server_info?config_format=json", timeout, json=True)
+                )
             if self._abort_offered is None:
+                # An ID nothing runs under: a current vLLM answers /abort_requests with its
+                # cancel router, which aborts *every* request when the list is empty.
                 async with self.session.post(
-                    f"{base}{ABORT_PATH}", json={"request_ids": []}, timeout=timeout
+                    f"{base}{ABORT_PATH}", json={"request_ids": [ABORT_PROBE_ID]}, timeout=timeout
                 ) as r:
                     await r.read()
                     self._learn_abort(r.status)

@@ -51,10 +51,15 @@ class EngineInfo:
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
     # The engine's own name and version, for `/get_server_info`.
     engine_version: str | None = None
+    # The model's vocabulary size (token ids are below it; vLLM's `logprobs: -1` means it).
+    vocab_size: int | None = None
+    # The most logprobs per position a request may ask for (vLLM `--max-logprobs`, whose
+    # -1, "the vocabulary", is sent as the vocabulary size or not at all).
+    max_logprobs: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model}
-        for key in ("context_length", "max_total_num_tokens", "block_size", "engine_version"):
+        for key in _OPTIONAL_KEYS:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
@@ -75,7 +80,19 @@ class EngineInfo:
             block_size=_positive(obj.get("block_size")),
             sampling_defaults=sampling_defaults(obj.get("sampling_defaults")),
             engine_version=version if isinstance(version, str) else None,
+            vocab_size=_positive(obj.get("vocab_size")),
+            max_logprobs=_positive(obj.get("max_logprobs")),
         )
+
+
+_OPTIONAL_KEYS = (
+    "context_length",
+    "max_total_num_tokens",
+    "block_size",
+    "engine_version",
+    "vocab_size",
+    "max_logprobs",
+)
 
 
 def sampling_defaults(obj: Any) -> dict[str, float | int]:
@@ -122,6 +139,8 @@ def combine(infos: list[EngineInfo]) -> EngineInfo:
         block_size=_first(i.block_size for i in infos),
         sampling_defaults=_first(i.sampling_defaults for i in infos) or {},
         engine_version=_first(i.engine_version for i in infos),
+        vocab_size=_least(i.vocab_size for i in infos),
+        max_logprobs=_least(i.max_logprobs for i in infos),
     )
 
 

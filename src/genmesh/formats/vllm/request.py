@@ -28,8 +28,9 @@ handles; a fanned-out sample's `sampling_params` say `n = 1` and carry its own s
 it only from `sampling_params.extra_args`, copies it there.
 
 Validation is vLLM's: the body is validated by the pydantic models in `schema.py`, and a
-failure is answered as vLLM's RequestValidationError handler answers it (every pydantic
-error listed, `param` = the first error's dotted location, e.g. `body.token_ids`). Unknown
+failure is answered as the newest vLLM's RequestValidationError handler answers it (the
+error count, then at most ten errors with their inputs summarised, `param` = the first
+error's dotted location, e.g. `body.token_ids`). Unknown
 fields, top level or in `sampling_params` or `stream_options`, are ignored as vLLM ignores
 them (and logged once per name). What vLLM accepts but this server cannot deliver is
 refused afterwards, by its value only.
@@ -131,26 +132,86 @@ def _reject(message: str, param: str | None = None, status: int = 400) -> Reques
     return RequestRejected(status, body, body["error"]["message"])
 
 
-def _invalid(errors: list[Any], param: str | None) -> RequestRejected:
-    """vLLM's RequestValidationError answer: every error listed, as FastAPI reports it."""
+# vLLM's bounds on its validation answer (newest handlers/validation.py): pydantic repeats
+# the whole offending value in every error, so a 5 kB body of bad list items once made a
+# 24 MB answer. At most this many errors are listed, each value and each error cut short.
+_MAX_REPORTED_ERRORS = 10
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+_TRUNCATED = "...[truncated]"
+
+
+def _summarize_input(value: object) -> object:
+    """vLLM's `_summarize_error_input`: a string cut short, a container described (its
+    repr is never built), anything else as its bounded `str`."""
+    if isinstance(value, str):
+        if len(value) > _MAX_ERROR_INPUT_CHARS:
+            return value[:_MAX_ERROR_INPUT_CHARS] + _TRUNCATED
+        return value
+    if isinstance(value, bytes | bytearray):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except Exception:  # e.g. an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    if len(text) > _MAX_ERROR_INPUT_CHARS:
+        return text[:_MAX_ERROR_INPUT_CHARS] + _TRUNCATED
+    return text
+
+
+def _format_error(err: object) -> str:
+    """vLLM's `_format_error`: one error, its input summarised and its `loc` cleaned."""
+    if isinstance(err, dict):
+        err = dict(err)
+        if "input" in err:
+            err["input"] = _summarize_input(err["input"])
+        loc = err.get("loc")
+        if isinstance(loc, tuple | list):
+            err["loc"] = _param_of(tuple(loc))
+    text = str(err)
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[:_MAX_ERROR_CHARS] + _TRUNCATED
+    return text
+
+
+def invalid(errors: list[Any], param: str | None) -> RequestRejected:
+    """vLLM's RequestValidationError answer: the count, then at most ten errors."""
     count = len(errors)
-    message = f"{count} validation {'error' if count == 1 else 'errors'}:\n"
-    message = (message + "".join(f"  {err}\n" for err in errors)).rstrip()
-    body = error(message, 400, param, VALIDATION_ERROR_TYPE)
+    label = "error" if count == 1 else "errors"
+    reported = errors[:_MAX_REPORTED_ERRORS]
+    message = f"{count} validation {label}:\n"
+    message += "".join(f"  {_format_error(err)}\n" for err in reported)
+    if count > len(reported):
+        message += f"  ...and {count - len(reported)} more {label}\n"
+    body = error(message.rstrip(), 400, param, VALIDATION_ERROR_TYPE)
     return RequestRejected(400, body, body["error"]["message"])
 
 
-# pydantic-core's wrapper/union-branch markers, which vLLM drops from `param` paths.
+# pydantic-core's wrapper/union-branch markers, which vLLM drops from `param` paths:
+# anything bracketed, and its schema-kind names (vLLM's `_INTERNAL_LOC_MARKERS`).
 _INTERNAL_LOC = re.compile(r"[\[\]{}()]")
+_INTERNAL_LOC_MARKERS = frozenset(
+    ("function-wrap", "function-after", "function-before", "function-plain",
+     "json-or-python", "lax-or-strict", "chain", "default", "nullable", "tagged-union",
+     "union", "call", "arguments", "is-instance", "is-subclass", "callable", "str", "int",
+     "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+     "complex", "none", "nonetype")
+)  # fmt: skip
+
+
+def _internal_segment(segment: str) -> bool:
+    return bool(_INTERNAL_LOC.search(segment)) or segment.lower() in _INTERNAL_LOC_MARKERS
 
 
 def _param_of(loc: tuple[Any, ...]) -> str:
     """vLLM's `clean_loc_for_param`: the dotted location without pydantic's markers."""
-    parts = [str(p) for p in loc if not _INTERNAL_LOC.search(str(p))]
+    parts = [str(p) for p in loc if not _internal_segment(str(p))]
     return ".".join(parts) if parts else ".".join(str(p) for p in loc)
 
 
-def _validation_rejected(exc: ValidationError) -> RequestRejected:
+def validation_rejected(exc: ValidationError) -> RequestRejected:
     errors = body_errors(exc.errors(include_url=False))
     param = None
     for err in errors:
@@ -160,7 +221,7 @@ def _validation_rejected(exc: ValidationError) -> RequestRejected:
             break
     if param is None and errors:
         param = _param_of(errors[0]["loc"])
-    return _invalid(errors, param)
+    return invalid(errors, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,14 +258,14 @@ def parse(body: bytes) -> Any:
             answer = error(UNREADABLE_BODY, 400, None, "Bad Request")
             return _Unparsed(RequestRejected(400, answer, UNREADABLE_BODY))
         loc = exc.errors[0]["loc"]
-        return _Unparsed(_invalid(exc.errors, ".".join(str(p) for p in loc)))
+        return _Unparsed(invalid(exc.errors, ".".join(str(p) for p in loc)))
 
 
 def _check_content_type(headers: Mapping[str, str]) -> None:
     """vLLM's `validate_json_request`: only `application/json` bodies."""
     content_type = (_header(headers, "content-type") or "").lower()
     if content_type.split(";", 1)[0] != "application/json":
-        raise _invalid(["Unsupported Media Type: Only 'application/json' is allowed"], None)
+        raise invalid(["Unsupported Media Type: Only 'application/json' is allowed"], None)
 
 
 def _client_id(req: GenerateRequest, headers: Mapping[str, str]) -> str | None:
@@ -245,10 +306,6 @@ def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams)
     if sp.bad_words:
         raise _reject("bad_words need a tokenizer and this tokens-only server has none",
                       "sampling_params.bad_words")  # fmt: skip
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(sp, name) == -1:
-            raise _reject(f"{name}=-1 (the whole vocabulary) is not supported by this server; "
-                          "ask for a top-k", f"sampling_params.{name}")  # fmt: skip
     for name in ("logprob_token_ids", "prompt_logprob_token_ids", "trace_decode_token_ids"):
         if getattr(sp, name) is not None:
             raise _reject(f"{name} is not supported by this server", f"sampling_params.{name}")
@@ -260,6 +317,34 @@ def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams)
         raise _reject("thinking_token_budget is set but reasoning_config is not configured. "
                       "Please set --reasoning-parser and/or --reasoning-config to use "
                       "thinking_token_budget.", "thinking_token_budget")  # fmt: skip
+
+
+def _logprobs(sp: SamplingParams, info: EngineInfo | None) -> tuple[int | None, int | None]:
+    """The sample and prompt logprob counts, `-1` resolved to the vocabulary size, checked
+    as vLLM's `SamplingParams._validate_logprobs` checks them against `max_logprobs`.
+
+    vLLM always knows both (its default `--max-logprobs` is 20). The mesh knows them only
+    when the engines state them in their cards: without `max_logprobs` nothing is checked
+    here (the engine behind the worker checks its own limit, e.g. a real vLLM's), and
+    without the vocabulary size `-1` cannot be resolved, so it is refused."""
+    vocab = info.vocab_size if info else None
+    limit = info.max_logprobs if info else None
+    resolved: list[int | None] = []
+    for kind, name in (("sample", "logprobs"), ("prompt", "prompt_logprobs")):
+        count: int | None = getattr(sp, name)
+        if count == -1:
+            if vocab is None:
+                raise _reject(f"{name}=-1 (the whole vocabulary) needs the vocabulary size, "
+                              "which this server's engines do not state; ask for a top-k",
+                              f"sampling_params.{name}")  # fmt: skip
+            count = vocab
+        if count and limit is not None and count > limit:
+            # vLLM's VLLMValidationError, whose str() appends its parameter and value.
+            raise _reject(f"Requested {kind} logprobs of {count}, which is greater than max "
+                          f"allowed: {limit} (parameter={name}, value={count})",
+                          name)  # fmt: skip
+        resolved.append(count)
+    return resolved[0], resolved[1]
 
 
 def _check_token_ids(prompt: list[int], sp: SamplingParams) -> None:
@@ -355,7 +440,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     try:
         req = GenerateRequest.model_validate(body)
     except ValidationError as exc:
-        raise _validation_rejected(exc) from None
+        raise validation_rejected(exc) from None
     raw_sp: dict[str, Any] = body["sampling_params"]  # a dict: validation passed
     IGNORED.note(set(body) - TOP_LEVEL_FIELDS)
     IGNORED.note(set(raw_sp) - SAMPLING_FIELDS, "sampling_params.")
@@ -377,7 +462,11 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     _refuse_what_this_server_cannot_do(req, sp)
     prompt = req.token_ids
     _check_token_ids(prompt, sp)
-    max_tokens = _max_tokens(sp, "max_tokens" in raw_sp, len(prompt), engines.get(req.model))
+    info = engines.get(req.model)
+    # The serving layer settles max_tokens; the engine's SamplingParams.verify then checks
+    # the logprob counts: vLLM refuses in that order.
+    max_tokens = _max_tokens(sp, "max_tokens" in raw_sp, len(prompt), info)
+    k_out, k_prompt = _logprobs(sp, info)
 
     stream_options = req.stream_options
     include_usage = stream_options is not None and bool(stream_options.include_usage)
@@ -389,7 +478,6 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     )
     client_id = _client_id(req, headers)
     base = _canonical(sp, max_tokens)
-    k_out, k_prompt = sp.logprobs, sp.prompt_logprobs
     items: list[Envelope] = []
     for index in range(n):
         canonical = base.copy()

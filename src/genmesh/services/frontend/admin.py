@@ -4,12 +4,16 @@ out to every worker over NATS; and the API keys that guard routes as SGLang guar
 Aborts match the client IDs the envelopes carry (`shared/abort.py`), so one reaches its
 request whichever frontend the request came through. Replies are the real servers':
 SGLang `POST /abort_request` (http_server.py, tokenizer_manager.abort_request): 200 with
-an empty body, also for an unknown rid; vLLM `POST /abort_requests` (tokens-only): 200
-empty, 400 without `request_ids`; vLLM's per-request cancel `POST
-/v1/requests/{id}/cancel` and `DELETE /v1/requests/{id}` (serve/cancel/api_router.py):
-200 `{"status": "cancelled", "request_id"}`, 404 `NotFoundError` when nothing ran under
-that ID. `/flush_cache` answers SGLang's text, 200 when every worker flushed and 400 when
-one failed (SGLang refuses while it has requests) or did not answer in time.
+an empty body, also for an unknown rid; vLLM's cancel router (serve/cancel/api_router.py),
+which a vLLM server mounts before its tokens-only router and so also answers
+`/abort_requests`: `POST /abort_requests` and `POST /v1/requests/cancel` 200 `{"status":
+"cancelled", "cancelled_request_ids": [...]}` (no IDs on `/abort_requests` = abort all),
+`POST /v1/requests/{id}/cancel` and `DELETE /v1/requests/{id}` 200 `{"status":
+"cancelled", "request_id"}`, 404 `NotFoundError` when nothing ran under that ID; and the
+tokens-only abort at `/inference/v1/abort_requests`: 200 empty, 400 without
+`request_ids`. See docs/admin.md. `/flush_cache` answers SGLang's text, 200 when every
+worker flushed and 400 when one failed (SGLang refuses while it has requests) or did not
+answer in time.
 """
 
 from __future__ import annotations
@@ -23,20 +27,25 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from genmesh.formats.base import RequestRejected
+from genmesh.formats.vllm.cancel import (
+    AbortAll,
+    abort_requests_ids,
+    batch_cancel_ids,
+    engine_client_id,
+)
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared.abort import AbortOrder
 
 log = logging.getLogger(__name__)
 
-# What vLLM calls a token-in/token-out request submitted with id X: "generate-tokens-X"
-# (serving_tokens: `f"generate-tokens-{base_request_id}"`); aborts name that id.
-VLLM_ENGINE_ID_PREFIX = "generate-tokens-"
 # SGLang's flush_cache reply text (http_server.py), for success and failure alike.
 FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 CANCEL_PATH = "/v1/requests/{request_id}"
+BATCH_CANCEL_PATH = "/v1/requests/cancel"
 
 
 class AuthLevel(Enum):
@@ -54,6 +63,7 @@ ADMIN_ROUTES = frozenset(
         "/inference/v1/abort_requests",
         f"{CANCEL_PATH}/cancel",
         CANCEL_PATH,
+        BATCH_CANCEL_PATH,
         "/flush_cache",
     )
 )
@@ -62,8 +72,9 @@ ADMIN_ROUTES = frozenset(
 def add_admin_routes(app: web.Application, state: FrontendState) -> None:
     routes = AdminRoutes(state)
     app.router.add_post("/abort_request", routes.sglang_abort)
-    app.router.add_post("/abort_requests", routes.vllm_abort)
-    app.router.add_post("/inference/v1/abort_requests", routes.vllm_abort)
+    app.router.add_post("/abort_requests", routes.vllm_abort_requests)
+    app.router.add_post("/inference/v1/abort_requests", routes.vllm_tokens_only_abort)
+    app.router.add_post(BATCH_CANCEL_PATH, routes.vllm_cancel_batch)
     app.router.add_post(f"{CANCEL_PATH}/cancel", routes.vllm_cancel)
     app.router.add_delete(CANCEL_PATH, routes.vllm_cancel)
     app.router.add_route("GET", "/flush_cache", routes.flush_cache)
@@ -82,13 +93,8 @@ def _vllm_error(message: str, status: int, err_type: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def _vllm_client_id(request_id: str) -> str | None:
-    """The client ID behind a vLLM engine request ID, if it is one of genmesh's."""
-    if request_id.startswith(VLLM_ENGINE_ID_PREFIX) and len(request_id) > len(
-        VLLM_ENGINE_ID_PREFIX
-    ):
-        return request_id[len(VLLM_ENGINE_ID_PREFIX) :]
-    return None
+def _rejected(exc: RequestRejected) -> web.Response:
+    return web.json_response(exc.body, status=exc.status)
 
 
 class AdminRoutes:
@@ -130,8 +136,45 @@ class AdminRoutes:
         log.info("abort %s: aborted %s", order.to_wire(), sorted(set(aborted)))
         return web.Response(status=200)
 
-    async def vllm_abort(self, request: web.Request) -> web.Response:
-        """`{"request_ids": [...]}`: vLLM's engine request IDs (`generate-tokens-<id>`)."""
+    async def _vllm_cancel_each(self, request_ids: list[str]) -> list[str]:
+        """Abort each of `request_ids` (vLLM engine IDs) in one fan-out; the ones that hit
+        a request, in the order given, each once (vLLM's loop of `engine.abort` calls: a
+        repeated ID finds nothing the second time)."""
+        wanted = {rid: cid for rid in request_ids if (cid := engine_client_id(rid))}
+        if not wanted:
+            return []
+        order = AbortOrder(tuple(dict.fromkeys(wanted.values())), "exact", "vllm")
+        hit = set(await self.state.backend.abort(order))
+        return [rid for rid in dict.fromkeys(request_ids) if wanted.get(rid) in hit]
+
+    async def vllm_cancel_batch(self, request: web.Request) -> web.Response:
+        """`POST /v1/requests/cancel` `{"request_ids": [...]}`: the IDs that were running."""
+        try:
+            request_ids = batch_cancel_ids(await request.read())
+        except RequestRejected as exc:
+            return _rejected(exc)
+        cancelled = await self._vllm_cancel_each(request_ids)
+        return web.json_response({"status": "cancelled", "cancelled_request_ids": cancelled})
+
+    async def vllm_abort_requests(self, request: web.Request) -> web.Response:
+        """The cancel router's `POST /abort_requests`: the named IDs, or with none named
+        (no body, not JSON, no or empty `request_ids`) every in-flight request."""
+        try:
+            wanted = abort_requests_ids(await request.read())
+        except RequestRejected as exc:
+            return _rejected(exc)
+        if isinstance(wanted, AbortAll):
+            # vLLM lists the engine IDs it aborted; the mesh knows the client IDs.
+            aborted = await self.state.backend.abort(AbortOrder((), "all"))
+            cancelled = list(dict.fromkeys(aborted))
+            log.info("abort_requests (all): aborted %s", cancelled)
+        else:
+            cancelled = await self._vllm_cancel_each(wanted)
+        return web.json_response({"status": "cancelled", "cancelled_request_ids": cancelled})
+
+    async def vllm_tokens_only_abort(self, request: web.Request) -> web.Response:
+        """The tokens-only router's abort (serve/disagg/api_router.py), served where the
+        cancel router does not shadow it: `{"request_ids": [...]}`, 200 empty."""
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:
@@ -145,14 +188,14 @@ class AdminRoutes:
             ids = [ids]
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             return _vllm_error("'request_ids' must be a list of strings", 400, "BadRequestError")
-        client_ids = tuple(c for i in ids if (c := _vllm_client_id(i)) is not None)
+        client_ids = tuple(c for i in ids if (c := engine_client_id(i)) is not None)
         if client_ids:
             await self.state.backend.abort(AbortOrder(client_ids, "exact", "vllm"))
         return web.Response(status=200)
 
     async def vllm_cancel(self, request: web.Request) -> web.Response:
         request_id = request.match_info["request_id"]
-        client_id = _vllm_client_id(request_id)
+        client_id = engine_client_id(request_id)
         aborted: list[str] = []
         if client_id is not None:
             aborted = await self.state.backend.abort(AbortOrder((client_id,), "exact", "vllm"))

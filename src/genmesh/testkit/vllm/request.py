@@ -264,9 +264,9 @@ def engine_check(options: GenerateOptions, config: MockServerConfig) -> ApiError
             continue
         wanted = config.vocab_size if value == -1 else value
         if wanted > MAX_LOGPROBS:
-            return ApiError(
+            return ApiError(  # str(VLLMValidationError) appends parameter and value
                 f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: "
-                f"{MAX_LOGPROBS}",
+                f"{MAX_LOGPROBS} (parameter={key}, value={wanted})",
                 400,
                 key,
             )
