@@ -127,3 +127,14 @@ class GenerateFormat(ABC):
     @abstractmethod
     def error_body(self, status: int, message: str) -> Any:
         """A native error body for failures outside any request (readiness, limits)."""
+
+    # True when the real server refuses a request whose client ID is already running
+    # (SGLang: a rid in flight). The shared handler then keeps the running IDs of this
+    # format and refuses a request holding one of them with `duplicate_id`; each item's
+    # `client_id` as `bind` set it is the ID checked.
+    unique_running_ids: bool = False
+
+    def duplicate_id(self, client_id: str) -> RequestRejected:
+        """The native refusal of a request whose client ID `client_id` is already running."""
+        message = f"request ID {client_id} is already running"
+        return RequestRejected(400, self.error_body(400, message), message)

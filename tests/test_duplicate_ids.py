@@ -1,0 +1,146 @@
+"""A client ID already running is refused (SGLang's "Duplicate request ID detected"), and
+freed again however its request ends: answered, failed, aborted, or its client gone.
+
+The workers decode in real time (~6 ms a token) so a request is still running when the
+next one arrives. vLLM takes duplicates (it makes every request ID unique internally)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import unique_namespace
+from tests.http_util import Reply, post, stream
+from tests.inproc import InProcessMesh, start_inproc_mesh
+
+pytestmark = pytest.mark.inproc
+
+PROMPT = [5, 6, 7]
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def slow_mesh(nats_url: str) -> Iterator[InProcessMesh]:
+    mesh = start_inproc_mesh(
+        nats_url,
+        namespace=unique_namespace("dup"),
+        worker_opts={"vocab_size": 1000, "eos_token_id": 7, "speedup": 1.0},
+    )
+    yield mesh
+    mesh.stop()
+
+
+def body(rid: Any, max_new_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "input_ids": PROMPT,
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+        **extra,
+    }
+
+
+async def generate(mesh: InProcessMesh, payload: dict[str, Any], **kw: Any) -> Reply:
+    async with asyncio.timeout(TIMEOUT_S):
+        return await post(mesh.http_url + "/generate", payload, **kw)
+
+
+def is_duplicate(reply: Reply, rid: str) -> bool:
+    return reply.status == 400 and reply.body == {
+        "error": {"message": f"Duplicate request ID detected: {rid}"}
+    }
+
+
+async def test_running_rid_refused_then_free_after_the_answer(slow_mesh: InProcessMesh) -> None:
+    first = asyncio.create_task(generate(slow_mesh, body("dup-a", 150)))
+    await asyncio.sleep(0.2)
+    second = await generate(slow_mesh, body("dup-a", 2))
+    third = await generate(slow_mesh, {**body("dup-a", 2), "stream": True})
+    assert is_duplicate(second, "dup-a"), second.body
+    # In a stream too: the refusal comes before any SSE byte (docs/formats.md §2.8).
+    assert is_duplicate(third, "dup-a"), third.body
+    r1 = await first
+    assert r1.status == 200, r1.body
+    assert r1.body["meta_info"]["id"] == "dup-a"
+    assert r1.body["meta_info"]["finish_reason"]["type"] == "length"
+    again = await generate(slow_mesh, body("dup-a", 2))
+    assert again.status == 200, again.body
+
+
+async def test_x_request_id_and_batch_item_ids_are_held(slow_mesh: InProcessMesh) -> None:
+    """X-Request-Id stands for rid; a scalar rid on a batch holds "{rid}_{i}" per item."""
+    batch = {**body("dup-b", 150), "input_ids": [PROMPT, PROMPT]}
+    first = asyncio.create_task(generate(slow_mesh, batch))
+    await asyncio.sleep(0.2)
+    by_item = await generate(slow_mesh, body("dup-b_1", 2))
+    by_header = await generate(slow_mesh, body(None, 2), headers={"X-Request-Id": "dup-b_0"})
+    bare = await generate(slow_mesh, body("dup-b", 2))
+    assert is_duplicate(by_item, "dup-b_1"), by_item.body
+    assert is_duplicate(by_header, "dup-b_0"), by_header.body
+    # "dup-b" itself names no running item, as in SGLang's rid_to_state.
+    assert bare.status == 200, bare.body
+    assert [r["meta_info"]["id"] for r in (await first).body] == ["dup-b_0", "dup-b_1"]
+
+
+async def test_rid_freed_when_the_request_fails(slow_mesh: InProcessMesh) -> None:
+    """The engine refuses the first (a token outside its vocabulary) after dispatch."""
+    failed = await generate(slow_mesh, {**body("dup-c", 2), "input_ids": [1, 5000]})
+    assert failed.status == 400, failed.body
+    assert "outside the vocabulary" in failed.body["error"]["message"]
+    ok = await generate(slow_mesh, body("dup-c", 2))
+    assert ok.status == 200, ok.body
+
+
+async def test_rid_freed_when_the_client_goes_away(slow_mesh: InProcessMesh) -> None:
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            slow_mesh.http_url + "/generate", json={**body("dup-d", 2000), "stream": True}
+        )
+        assert resp.status == 200
+        await resp.content.readline()  # the first SSE line: the request is running
+        held = await generate(slow_mesh, body("dup-d", 2))
+        assert is_duplicate(held, "dup-d"), held.body
+        resp.close()  # the client leaves mid-stream
+
+    # The frontend notices the disconnect and ends the handler: the rid is free again.
+    async with asyncio.timeout(10.0):
+        while (reply := await generate(slow_mesh, body("dup-d", 2))).status != 200:
+            assert is_duplicate(reply, "dup-d"), reply.body
+            await asyncio.sleep(0.05)
+
+
+async def test_rid_freed_when_aborted(slow_mesh: InProcessMesh) -> None:
+    first = asyncio.create_task(generate(slow_mesh, body("dup-e", 2000)))
+    await asyncio.sleep(0.2)
+    abort = await post(slow_mesh.http_url + "/abort_request", {"rid": "dup-e"})
+    assert abort.status == 200, abort.body
+    r1 = await first
+    assert r1.body["meta_info"]["finish_reason"]["type"] == "abort"
+    ok = await generate(slow_mesh, body("dup-e", 2))
+    assert ok.status == 200, ok.body
+
+
+async def test_n_samples_get_fresh_ids(slow_mesh: InProcessMesh) -> None:
+    """With n > 1 SGLang regenerates every rid, so a running rid with n > 1 runs."""
+    first = asyncio.create_task(generate(slow_mesh, body("dup-f", 150)))
+    await asyncio.sleep(0.2)
+    sampled = await generate(
+        slow_mesh,
+        {**body("dup-f", 2), "sampling_params": {"max_new_tokens": 2, "n": 2}},
+    )
+    assert sampled.status == 200, sampled.body
+    assert (await first).status == 200
+
+
+async def test_vllm_runs_duplicate_request_ids(slow_mesh: InProcessMesh) -> None:
+    url = slow_mesh.http_url + "/inference/v1/generate"
+    payload = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 100, "ignore_eos": True}}
+    headers = {"X-Request-Id": "dup-vllm", "Content-Type": "application/json"}
+    replies = await asyncio.gather(
+        post(url, payload, headers=headers),
+        stream(url, payload, headers=headers),
+    )
+    assert [r.status for r in replies] == [200, 200], replies
