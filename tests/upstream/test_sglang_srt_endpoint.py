@@ -226,12 +226,18 @@ async def test_logprob_grammar() -> None:
     """Upstream constrains to " Yes"/" No" by regex and reads the candidates' text."""
 
 
-@pytest.mark.skip(reason="needs a real model: a custom logit processor edits the logits")
+@pytest.mark.skip(
+    reason="runs a client-sent pickled Python class on the logits tensor "
+    "(--enable-custom-logit-processor): the mock has no tensor, genmesh runs no client code"
+)
 async def test_custom_logit_processor() -> None:
     """Upstream ships a pickled Python class the server runs on its logits."""
 
 
-@pytest.mark.skip(reason="needs a real model: a custom logit processor edits the logits")
+@pytest.mark.skip(
+    reason="runs a client-sent pickled Python class on the logits tensor "
+    "(--enable-custom-logit-processor): the mock has no tensor, genmesh runs no client code"
+)
 async def test_custom_logit_processor_batch_mixed() -> None:
     """As test_custom_logit_processor, 48 requests at once."""
 
