@@ -126,15 +126,17 @@ def test_vllm_reports_raw_logprobs_and_ranks() -> None:
 @pytest.mark.parametrize(
     ("fmt", "message"),
     [
-        ("sglang", "logit_bias must has keys in [0, 999], got 1000."),
+        ("sglang", "logit_bias must has keys in [0, 999], got 5000."),
         (
             "vllm",
-            "token_id(s) [1000, 5000] in logit_bias contain out-of-vocab token ids. "
+            "token_id(s) [5000, 1000] in logit_bias contain out-of-vocab token ids. "
             "Vocabulary size: 1000",
         ),
     ],
 )
 def test_out_of_vocabulary_keys_refused_in_the_engines_words(fmt: str, message: str) -> None:
+    """Both engines walk the keys in the order sent: SGLang names the first bad one,
+    vLLM lists them all."""
     with pytest.raises(MeshError) as caught:
         run(envelope(fmt, {"5000": 1.0, "1000": 1.0, "3": 1.0}))
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT

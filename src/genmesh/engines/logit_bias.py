@@ -81,7 +81,8 @@ def read_logit_bias(
         if not math.isfinite(number):
             raise _invalid(f"logit_bias values must be finite numbers, got {value}.")
         bias[token] = number
-    outside = sorted(t for t in bias if not 0 <= t < vocab_size)
+    # In the order sent, as both engines walk the dict.
+    outside = [t for t in bias if not 0 <= t < vocab_size]
     if outside:
         message = _OUT_OF_VOCAB.get(fmt, _vllm_out_of_vocab)(outside, vocab_size)
         raise _invalid(message)

@@ -327,8 +327,6 @@ class MockEngine:
                 f"at most {MAX_TOP_LOGPROBS} top logprobs per position, "
                 f"asked for {env.output.top_logprobs}",
             )
-        # Refused before any output (the biases are read again per request in generate).
-        read_logit_bias(env.format, env.engine, c.vocab_size)
         room = c.max_model_len - prompt_len
         budget = env.sampling.max_tokens
         return room if budget is None else min(budget, room)
@@ -353,6 +351,7 @@ class MockEngine:
 
         # logit_bias changes the greedy pick; what logprobs show depends on the engine
         # the format speaks: SGLang's are after the bias, vLLM's before (logit_bias.py).
+        # A bad one is refused here, before any output.
         bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
         biased_logprobs = bias is not None and env.format in BIASED_LOGPROB_FORMATS
 
