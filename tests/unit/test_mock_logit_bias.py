@@ -149,3 +149,18 @@ def test_malformed_bias_from_a_raw_envelope_refused(bias: Any) -> None:
     with pytest.raises(MeshError) as caught:
         run(envelope("sglang", bias))
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_continuation_under_bias_gives_the_rest(fmt: str, k: int) -> None:
+    """Migration replays the delivered tokens with the same native body: the biased
+    generation goes on exactly as if it had never moved."""
+    bias = {"42": 3.0, "7": -100.0, "100": 1.5}
+    full = run(envelope(fmt, bias, tokens=6))
+    rest_env = envelope(fmt, bias, tokens=6 - k)
+    rest_env.token_ids = PROMPT + tokens(full)[:k]
+    rest = run(rest_env)
+    assert [(o.tokens, o.logprobs, o.top_logprobs) for o in rest] == [
+        (o.tokens, o.logprobs, o.top_logprobs) for o in full[k:]
+    ]
