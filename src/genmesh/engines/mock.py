@@ -93,6 +93,10 @@ class TokenModel:
         for rank, (tid, lp) in enumerate(self.top(state, MAX_TOP_LOGPROBS), start=1):
             if tid == token:
                 return lp, rank
+        return self._below_top(state, token)
+
+    def _below_top(self, state: int, token: int) -> tuple[float, int]:
+        """The logprob and rank of a token outside the top MAX_TOP_LOGPROBS."""
         # Below every listed alternative, so top lists and token logprobs agree.
         h = _mix(state ^ token ^ 0x5BD1E995)
         tail = ((h >> 11) % 4000) / 1000.0
@@ -107,7 +111,7 @@ class TokenModel:
         """The candidates at `state` with `bias` added to their logits (logit_bias.py)."""
         top = self.top(state, MAX_TOP_LOGPROBS)
         listed = {t for t, _ in top}
-        extra = {t: self.logprob(state, t) for t in bias if t not in listed}
+        extra = {t: self._below_top(state, t)[0] for t in bias if t not in listed}
         return BiasedStep.at(top, extra, bias)
 
 
