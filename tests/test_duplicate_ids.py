@@ -70,19 +70,35 @@ async def test_running_rid_refused_then_free_after_the_answer(slow_mesh: InProce
     assert again.status == 200, again.body
 
 
-async def test_x_request_id_and_batch_item_ids_are_held(slow_mesh: InProcessMesh) -> None:
-    """X-Request-Id stands for rid; a scalar rid on a batch holds "{rid}_{i}" per item."""
+async def test_batch_item_ids_are_held(slow_mesh: InProcessMesh) -> None:
+    """A scalar rid on a batch holds "{rid}_{i}" per item, as SGLang's rid_to_state."""
     batch = {**body("dup-b", 150), "input_ids": [PROMPT, PROMPT]}
     first = asyncio.create_task(generate(slow_mesh, batch))
     await asyncio.sleep(0.2)
     by_item = await generate(slow_mesh, body("dup-b_1", 2))
-    by_header = await generate(slow_mesh, body(None, 2), headers={"X-Request-Id": "dup-b_0"})
+    in_list = await generate(
+        slow_mesh, {**body(["other", "dup-b_0"], 2), "input_ids": [PROMPT, PROMPT]}
+    )
     bare = await generate(slow_mesh, body("dup-b", 2))
     assert is_duplicate(by_item, "dup-b_1"), by_item.body
-    assert is_duplicate(by_header, "dup-b_0"), by_header.body
-    # "dup-b" itself names no running item, as in SGLang's rid_to_state.
+    assert is_duplicate(in_list, "dup-b_0"), in_list.body
+    # "dup-b" itself names no running item.
     assert bare.status == 200, bare.body
     assert [r["meta_info"]["id"] for r in (await first).body] == ["dup-b_0", "dup-b_1"]
+
+
+async def test_x_request_id_is_not_a_rid_to_sglang(slow_mesh: InProcessMesh) -> None:
+    """genmesh echoes X-Request-Id as the rid when there is none, but SGLang never reads
+    the header, so it never refuses two requests that share one: both run."""
+    headers = {"X-Request-Id": "dup-h"}
+    first = asyncio.create_task(generate(slow_mesh, body(None, 150), headers=headers))
+    await asyncio.sleep(0.2)
+    second = await generate(slow_mesh, body(None, 2), headers=headers)
+    by_rid = await generate(slow_mesh, body("dup-h", 2))
+    assert second.status == 200, second.body
+    assert second.body["meta_info"]["id"] == "dup-h"
+    assert by_rid.status == 200, by_rid.body
+    assert (await first).status == 200
 
 
 async def test_rid_freed_when_the_request_fails(slow_mesh: InProcessMesh) -> None:

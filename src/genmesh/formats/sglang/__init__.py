@@ -16,8 +16,6 @@ class SglangFormat(GenerateFormat):
     name = "sglang"
     merge_rules: Mapping[str, Rule] = MERGE_RULES
     joiners: Mapping[str, Joiner] = JOINERS
-    # SGLang's tokenizer manager refuses a rid already in its rid_to_state.
-    unique_running_ids = True
 
     @classmethod
     def default_routes(cls) -> tuple[Route, ...]:
@@ -40,4 +38,5 @@ class SglangFormat(GenerateFormat):
         return errors.error(message, status)
 
     def duplicate_id(self, client_id: str) -> RequestRejected:
+        # SGLang's tokenizer manager refuses a rid already in its rid_to_state.
         return errors.duplicate_rid(client_id)

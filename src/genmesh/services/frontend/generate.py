@@ -1,6 +1,6 @@
 """The shared generate handler: one request lifecycle for every format.
 
-bind (format) -> running-ID check (formats whose server refuses a running ID again) ->
+bind (format) -> running-ID check (the IDs the real server refuses to see twice) ->
 readiness -> private ID -> dispatch (backend) -> frames rendered by the
 format into SSE events or folded into a unary body -> cancel on client disconnect.
 Nothing here knows a native field name.
@@ -50,7 +50,7 @@ class GenerateHandler:
         self.format = fmt
         self.state = state
         self.body_limit_bytes = body_limit_bytes
-        # The client IDs of this format's requests in flight (`unique_running_ids`).
+        # The running IDs (`Bound.running_ids`) of this format's requests in flight.
         self.running = RunningIds()
 
     def json_error(
@@ -95,19 +95,13 @@ class GenerateHandler:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
 
-        # The client IDs this request holds while it runs, if its format wants them unique
-        # (IDs the handler mints below are fresh, so they need no check).
-        held = (
-            [item.client_id for item in bound.items if item.client_id]
-            if self.format.unique_running_ids
-            else []
-        )
-        duplicate = self.running.duplicate(held)
+        # The client IDs the real server would refuse to see twice while they run.
+        duplicate = self.running.duplicate(bound.running_ids)
         if duplicate is not None:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             refusal = self.format.duplicate_id(duplicate)
             return web.json_response(refusal.body, status=refusal.status, dumps=dumps)
-        with self.running.hold(held):
+        with self.running.hold(bound.running_ids):
             return await self._dispatch(request, bound, obs)
 
     async def _dispatch(

@@ -1,5 +1,5 @@
-"""The client IDs of the requests running through one frontend, for a format whose real
-server refuses a request that reuses a running ID (`GenerateFormat.unique_running_ids`).
+"""The client IDs of the requests running through one frontend that their real server
+refuses to see twice while they run (`Bound.running_ids`: SGLang's rids).
 
 Exact within one frontend only: two frontends do not see each other's requests, so a
 duplicate sent through each is served twice (docs/formats.md §2.8).
