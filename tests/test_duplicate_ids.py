@@ -4,8 +4,9 @@ freed again however its request ends: answered, failed, aborted, or its client g
 The rule is SGLang's `TokenizerManager._init_req_state`
 (sgl-project/sglang `python/sglang/srt/managers/tokenizer_manager.py` @ 001067ff): every
 rid of the normalised request is refused if it is already in `rid_to_state`, which holds
-it until the request finishes or is aborted. The workers decode in real time (~6 ms a token) so a request is still running when the
-next one arrives. vLLM takes duplicates (it makes every request ID unique internally)."""
+it until the request finishes or is aborted. The workers decode in real time (~6 ms a
+token) so a request is still running when the next one arrives. vLLM takes duplicates (it
+makes every request ID unique internally: `InputProcessor.assign_request_id`)."""
 
 from __future__ import annotations
 
