@@ -8,19 +8,22 @@ in tests/upstream/kit.py).
 Adapted to token IDs and the shared mock (vocabulary 1000, context 32768): prompts
 upstream gives as text are token IDs here, and where upstream checks a logprob entry's
 text against the prompt (`return_text_in_logprobs`), this checks the entry's token ID
-against the prompt's IDs. Skipped, with the reason on each: what needs a real model
-(logits for `logit_bias`, grammars, custom logit processors, a tokenizer) and the radix
-cache the mock does not have.
+against the prompt's IDs. `logit_bias` runs on the mock's own logits (it honours the
+bias: engines/logit_bias.py), `test_cache_tokens` on a mock worker with its prefix cache
+on. Skipped, with the reason on each: what needs a real model (grammars over token text,
+custom logit processors, a tokenizer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.conftest import unique_namespace
 from tests.http_util import Reply
 from tests.inproc import InProcessMesh
 from tests.upstream.kit import get, post_json, run_logprob_check
@@ -223,12 +226,18 @@ async def test_logprob_grammar() -> None:
     """Upstream constrains to " Yes"/" No" by regex and reads the candidates' text."""
 
 
-@pytest.mark.skip(reason="needs a real model: a custom logit processor edits the logits")
+@pytest.mark.skip(
+    reason="runs a client-sent pickled Python class on the logits tensor "
+    "(--enable-custom-logit-processor): the mock has no tensor, genmesh runs no client code"
+)
 async def test_custom_logit_processor() -> None:
     """Upstream ships a pickled Python class the server runs on its logits."""
 
 
-@pytest.mark.skip(reason="needs a real model: a custom logit processor edits the logits")
+@pytest.mark.skip(
+    reason="runs a client-sent pickled Python class on the logits tensor "
+    "(--enable-custom-logit-processor): the mock has no tensor, genmesh runs no client code"
+)
 async def test_custom_logit_processor_batch_mixed() -> None:
     """As test_custom_logit_processor, 48 requests at once."""
 
@@ -250,12 +259,46 @@ async def test_cache_tokens_flush(mesh: InProcessMesh) -> None:
         assert reply.status == 200, reply.body
 
 
-@pytest.mark.skip(
-    reason="needs a prefix cache: the mock engine reports cached_tokens 0 "
-    "(docs/formats.md §4); an SGLang worker reports its server's"
-)
-async def test_cache_tokens() -> None:
-    """Upstream `test_cache_tokens`, second half: cached_tokens after shared prefixes."""
+@pytest.fixture(scope="module")
+def cache_mesh(nats_url: str) -> Iterator[InProcessMesh]:
+    """One mock worker with a prefix cache of single-token blocks: SGLang's radix cache
+    (page size 1), which `test_cache_tokens` counts to the token. One worker, as
+    upstream has one server: a cache is per engine. The mock's full vocabulary, since
+    upstream's prompts are `range(0, 11000)`."""
+    mesh = InProcessMesh(nats_url, unique_namespace("cache"))
+    try:
+        mesh.add_router()
+        worker = mesh.add_worker(
+            wait=False, extra_args=("--mock-prefix-cache", "--mock-block-size", "1")
+        )
+        mesh.add_frontend()
+        mesh.wait_for_workers(lambda known: worker.name in known, what="the cache worker")
+    except BaseException:
+        mesh.stop()
+        raise
+    yield mesh
+    mesh.stop()
+
+
+async def test_cache_tokens(cache_mesh: InProcessMesh) -> None:
+    """Upstream `test_cache_tokens` whole: flush twice, then `cached_tokens` after shared
+    prefixes. Every prompt computes at least its last token (9999 of 10000 cached)."""
+    for _ in range(2):
+        reply = await post_json(cache_mesh.http_url + "/flush_cache", None)
+        assert reply.status == 200, reply.body
+
+    async def send_and_check_cached_tokens(input_ids: range) -> int:
+        reply = await generate(
+            cache_mesh, {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 1}}
+        )
+        cached: int = reply.body["meta_info"]["cached_tokens"]
+        return cached
+
+    assert await send_and_check_cached_tokens(range(100)) == 0
+    assert await send_and_check_cached_tokens(range(10000)) == 100
+    assert await send_and_check_cached_tokens(range(10000)) == 9999
+    assert await send_and_check_cached_tokens(range(1000)) == 999
+    assert await send_and_check_cached_tokens(range(11000)) == 10000
 
 
 async def test_get_server_info(mesh: InProcessMesh) -> None:
@@ -265,19 +308,76 @@ async def test_get_server_info(mesh: InProcessMesh) -> None:
     assert isinstance(reply.body["version"], str)
 
 
-@pytest.mark.skip(reason="needs a real model: logit_bias needs logits (the mock ignores it)")
-async def test_logit_bias() -> None:
-    """Upstream: a +100 bias forces token 60704 ("Paris")."""
+# Upstream's token IDs are Llama-3.2-1B's ("Paris" 60704, "rice" 23994); the shared
+# mock's vocabulary is 1000, so the biased token is one of its IDs. The mock decodes
+# greedily whatever the temperature, as a real engine does when a +100 bias dominates.
+BIASED_TOKEN = 604
 
 
-@pytest.mark.skip(reason="needs a real model: logit_bias needs logits (the mock ignores it)")
-async def test_forbidden_token() -> None:
-    """Upstream: a -100 bias keeps token 23994 ("rice") out."""
+async def test_logit_bias(mesh: InProcessMesh) -> None:
+    """Upstream: a very high logit bias forces sampling of a specific token."""
+    reply = await generate(
+        mesh,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "temperature": 1.0,
+                "max_new_tokens": 4,
+                "logit_bias": {str(BIASED_TOKEN): 100.0},
+            },
+            "return_logprob": True,
+        },
+    )
+    sampled_tokens = [x[1] for x in reply.body["meta_info"]["output_token_logprobs"]]
+    assert sampled_tokens, reply.body
+    assert all(x == BIASED_TOKEN for x in sampled_tokens), sampled_tokens
 
 
-@pytest.mark.skip(reason="needs a real model: logit_bias needs logits (the mock ignores it)")
-async def test_logit_bias_isolation() -> None:
-    """Upstream: one request's bias does not leak into another's."""
+async def test_forbidden_token(mesh: InProcessMesh) -> None:
+    """Upstream: a very negative bias keeps a token out of 50 tokens. Upstream's prompt
+    makes its model want "rice"; here the forbidden token is the one the mock emits most
+    often for the prompt without a bias, so the bias has something to forbid."""
+    prompt = [5, 6, 7, 8]
+
+    async def sampled(logit_bias: dict[str, float] | None) -> list[int]:
+        params: dict[str, Any] = {"temperature": 1.0, "max_new_tokens": 50, "ignore_eos": True}
+        if logit_bias is not None:
+            params["logit_bias"] = logit_bias
+        reply = await generate(
+            mesh, {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+        )
+        return [x[1] for x in reply.body["meta_info"]["output_token_logprobs"]]
+
+    free = await sampled(None)
+    forbidden_token_id = max(set(free), key=free.count)
+    tokens = await sampled({str(forbidden_token_id): -100.0})
+    assert len(tokens) == 50
+    assert forbidden_token_id not in tokens, (forbidden_token_id, tokens)
+
+
+async def test_logit_bias_isolation(mesh: InProcessMesh) -> None:
+    """Upstream: one request's bias does not leak into the next request's tokens."""
+    requests_data = [
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "temperature": 1.0,
+                "max_new_tokens": 4,
+                "logit_bias": {str(BIASED_TOKEN): 100.0},
+            },
+            "return_logprob": True,
+        },
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 4},
+            "return_logprob": True,
+        },
+    ]
+    responses = [(await generate(mesh, req)).body for req in requests_data]
+    biased_tokens = [x[1] for x in responses[0]["meta_info"]["output_token_logprobs"]]
+    unbiased_tokens = [x[1] for x in responses[1]["meta_info"]["output_token_logprobs"]]
+    assert all(x == BIASED_TOKEN for x in biased_tokens), biased_tokens
+    assert any(x != BIASED_TOKEN for x in unbiased_tokens), unbiased_tokens
 
 
 async def test_get_server_info_concurrent(mesh: InProcessMesh) -> None:

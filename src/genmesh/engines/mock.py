@@ -20,6 +20,7 @@ from typing import Any
 
 from genmesh import __version__
 from genmesh.engines.base import EngineOutput, usage
+from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
 from genmesh.engines.prefix_cache import PrefixCache
 from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
@@ -92,6 +93,10 @@ class TokenModel:
         for rank, (tid, lp) in enumerate(self.top(state, MAX_TOP_LOGPROBS), start=1):
             if tid == token:
                 return lp, rank
+        return self._below_top(state, token)
+
+    def _below_top(self, state: int, token: int) -> tuple[float, int]:
+        """The logprob and rank of a token outside the top MAX_TOP_LOGPROBS."""
         # Below every listed alternative, so top lists and token logprobs agree.
         h = _mix(state ^ token ^ 0x5BD1E995)
         tail = ((h >> 11) % 4000) / 1000.0
@@ -101,6 +106,13 @@ class TokenModel:
 
     def logprob(self, state: int, token: int) -> float:
         return self.score(state, token)[0]
+
+    def biased(self, state: int, bias: dict[int, float]) -> BiasedStep:
+        """The candidates at `state` with `bias` added to their logits (logit_bias.py)."""
+        top = self.top(state, MAX_TOP_LOGPROBS)
+        listed = {t for t, _ in top}
+        extra = {t: self._below_top(state, t)[0] for t in bias if t not in listed}
+        return BiasedStep.at(top, extra, bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +371,18 @@ class MockEngine:
         # The listed token IDs' logprobs at a position: SGLang's token_ids_logprob.
         listed = env.output.logprob_token_ids
 
-        def listed_at(at: int) -> TopLogprobs:
+        # logit_bias changes the greedy pick; what logprobs show depends on the engine
+        # the format speaks: SGLang's are after the bias, vLLM's before (logit_bias.py).
+        # A bad one is refused here, before any output.
+        bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
+        biased_logprobs = bias is not None and env.format in BIASED_LOGPROB_FORMATS
+
+        def listed_at(at: int, step: BiasedStep | None = None) -> TopLogprobs:
+            if step is not None and bias is not None:
+                return [
+                    (tid, step.logprob(model.logprob(at, tid) + bias.get(tid, 0.0)))
+                    for tid in listed or ()
+                ]
             return [(tid, model.logprob(at, tid)) for tid in listed or ()]
 
         state = initial_state(env.sampling.seed or 0)
@@ -420,23 +443,32 @@ class MockEngine:
                     out.usage = usage(len(prompt), n, cached)
                     yield out
                     return
-                candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                step: BiasedStep | None = None
+                if bias is None:
+                    candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                else:
+                    step = model.biased(state, bias)
+                    # Best biased logit first; each carries its raw logprob (vLLM's).
+                    candidates = [(t, lp) for t, lp, _ in step.ranked]
                 token, logprob = candidates[0]
                 if n < min_tokens and token in banned:
                     # Masked like a real engine masks stop logits: take the best allowed one.
                     token, logprob = next(
                         ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
                     )
+                shown = step if biased_logprobs else None
                 out = pending or EngineOutput(tokens=[])
                 pending = None
                 out.tokens = [token]
                 if want_lp:
+                    if shown is not None and bias is not None:
+                        logprob = shown.logprob(logprob + bias.get(token, 0.0))
                     out.logprobs = [logprob]
                     out.ranks = [model.score(state, token)[1]]
                 if k:
-                    out.top_logprobs = [model.top(state, k)]
+                    out.top_logprobs = [shown.top(k) if shown else model.top(state, k)]
                 if listed:
-                    out.token_ids_logprobs = [listed_at(state)]
+                    out.token_ids_logprobs = [listed_at(state, shown)]
                 if experts_from is not None and n:
                     # The previous token's forward pass; the last token never gets one.
                     out.routed_experts = [self.experts.row(state)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from genmesh.formats.merge import Joiner, Rule
@@ -60,6 +60,10 @@ class Bound:
     options: Any = None
     # None: the request may migrate to another worker; else why it must not.
     migration: str | None = None
+    # The client IDs the real server refuses to see twice while they run (SGLang: the
+    # rids of its rid_to_state). The shared handler refuses a request holding one that is
+    # running, with `GenerateFormat.duplicate_id`, and holds them until this one ends.
+    running_ids: list[str] = field(default_factory=list)
 
 
 class Exchange(ABC):
@@ -127,3 +131,8 @@ class GenerateFormat(ABC):
     @abstractmethod
     def error_body(self, status: int, message: str) -> Any:
         """A native error body for failures outside any request (readiness, limits)."""
+
+    def duplicate_id(self, client_id: str) -> RequestRejected:
+        """The native refusal of a request one of whose `Bound.running_ids` is running."""
+        message = f"request ID {client_id} is already running"
+        return RequestRejected(400, self.error_body(400, message), message)

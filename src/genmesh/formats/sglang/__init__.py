@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from genmesh.formats.base import Bound, Exchange, GenerateFormat, Route
+from genmesh.formats.base import Bound, Exchange, GenerateFormat, RequestRejected, Route
 from genmesh.formats.merge import Joiner, Rule
 from genmesh.formats.sglang import errors, request
 from genmesh.formats.sglang.response import JOINERS, MERGE_RULES, SglangExchange
@@ -36,3 +36,7 @@ class SglangFormat(GenerateFormat):
 
     def error_body(self, status: int, message: str) -> Any:
         return errors.error(message, status)
+
+    def duplicate_id(self, client_id: str) -> RequestRejected:
+        # SGLang's tokenizer manager refuses a rid already in its rid_to_state.
+        return errors.duplicate_rid(client_id)

@@ -36,3 +36,8 @@ def type_error(message: str) -> RequestRejected:
 
 def value_error(message: str) -> RequestRejected:
     return RequestRejected(400, error(message), message)
+
+
+def duplicate_rid(rid: str) -> RequestRejected:
+    """SGLang's `_init_req_state`: a rid already in `rid_to_state` is a ValueError."""
+    return value_error(f"Duplicate request ID detected: {rid}")

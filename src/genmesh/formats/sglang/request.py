@@ -485,7 +485,17 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
         client_id=client_id,
         options=SglangOptions(options, multi),
         migration=_migration(sampled),
+        running_ids=_running_ids(obj, rids, n),
     )
+
+
+def _running_ids(obj: GenerateReqInput, rids: list[str | None], n: int) -> list[str]:
+    """The rids SGLang keeps in its rid_to_state while they run, and so refuses twice:
+    those of the body's `rid` (not an `X-Request-Id` standing in for it: SGLang never
+    sees the header as a rid), none with `n > 1` (SGLang regenerates every rid)."""
+    if obj.rid is None or n > 1:
+        return []
+    return [rid for rid in rids if rid is not None]
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

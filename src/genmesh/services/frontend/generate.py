@@ -1,6 +1,7 @@
 """The shared generate handler: one request lifecycle for every format.
 
-bind (format) -> readiness -> private ID -> dispatch (backend) -> frames rendered by the
+bind (format) -> running-ID check (the IDs the real server refuses to see twice) ->
+readiness -> private ID -> dispatch (backend) -> frames rendered by the
 format into SSE events or folded into a unary body -> cancel on client disconnect.
 Nothing here knows a native field name.
 """
@@ -18,9 +19,10 @@ import orjson
 from aiohttp import web
 
 from genmesh.client import MIG, ClientFrame
-from genmesh.formats.base import Exchange, GenerateFormat, RequestRejected
+from genmesh.formats.base import Bound, Exchange, GenerateFormat, RequestRejected
 from genmesh.services.frontend.items import ItemRecords
 from genmesh.services.frontend.observers import Observation, RequestInfo
+from genmesh.services.frontend.running import RunningIds
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode, MeshError, http_status
@@ -48,6 +50,8 @@ class GenerateHandler:
         self.format = fmt
         self.state = state
         self.body_limit_bytes = body_limit_bytes
+        # The running IDs (`Bound.running_ids`) of this format's requests in flight.
+        self.running = RunningIds()
 
     def json_error(
         self, status: int, message: str, headers: dict[str, str] | None = None
@@ -91,6 +95,19 @@ class GenerateHandler:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
 
+        # The client IDs the real server would refuse to see twice while they run.
+        duplicate = self.running.duplicate(bound.running_ids)
+        if duplicate is not None:
+            obs.error_type = ErrorCode.INVALID_ARGUMENT.value
+            refusal = self.format.duplicate_id(duplicate)
+            return web.json_response(refusal.body, status=refusal.status, dumps=dumps)
+        with self.running.hold(bound.running_ids):
+            return await self._dispatch(request, bound, obs)
+
+    async def _dispatch(
+        self, request: web.Request, bound: Bound, obs: Observation
+    ) -> web.StreamResponse:
+        info = obs.info
         public_id = bound.client_id or self.format.new_public_id()
         info.public_id, info.client_id, info.stream = public_id, bound.client_id, bound.stream
         headers = {"x-request-id": public_id}
