@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
@@ -26,6 +27,29 @@ from genmesh.shared.lifecycle import stop_signals
 from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
+
+
+class MalformedRequestLog(logging.Filter):
+    """aiohttp logs a request it cannot parse as an ERROR with a traceback, though it
+    answered 400 and nothing failed: a port scanner, or the HTTP/2 preface of
+    sglang-router's gRPC probe, which it sends each time it registers a worker. Such a
+    record becomes one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = str(exc.message).splitlines()[0] if exc.message else type(exc).__name__
+            record.msg = f"{record.getMessage()}: malformed HTTP ({reason}); answered 400"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestLog) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestLog())
 
 
 @dataclass(slots=True)
@@ -47,6 +71,7 @@ class RunningFrontend:
 async def start_frontend(config: FrontendConfig) -> RunningFrontend:
     """Connect, discover, and listen (port 0 picks a free port)."""
     formats = load_generate_formats(config.generate_format)
+    quiet_malformed_requests()
     namespace = config.mesh.namespace
     subjects = Subjects(namespace)
     async with contextlib.AsyncExitStack() as resources:
