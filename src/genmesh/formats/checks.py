@@ -33,9 +33,10 @@ class IgnoredFields:
     body would flood the log otherwise). Clients choose the names, so the set remembered is
     bounded; past the bound a new name is logged with every request that sends it."""
 
-    def __init__(self, log: logging.Logger, message: str, limit: int = 1024) -> None:
+    def __init__(self, log: logging.Logger, message: str, level: int, limit: int = 1024) -> None:
         self.log = log
         self.message = message  # one `%s`: the names
+        self.level = level
         self.limit = limit
         self.seen: set[str] = set()
 
@@ -45,4 +46,4 @@ class IgnoredFields:
             return
         if len(self.seen) < self.limit:
             self.seen.update(new)
-        self.log.warning(self.message, new)
+        self.log.log(self.level, self.message, new)

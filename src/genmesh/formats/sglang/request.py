@@ -96,9 +96,10 @@ _LOGPROB_LISTS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 # Fields the mesh handles itself: they never reach an engine's native payload.
 _NOT_FORWARDED = frozenset(("input_ids", "rid", "stream", "text"))
 
-# SGLang (FastAPI over a dataclass) drops fields it does not know, silently; say it once.
+# SGLang (FastAPI over a dataclass) drops fields it does not know, silently; say it once,
+# quietly: sglang-router adds `model` to every body.
 IGNORED = IgnoredFields(
-    logging.getLogger(__name__), "ignoring request field(s) SGLang does not know: %s"
+    logging.getLogger(__name__), "ignoring request field(s) SGLang does not know: %s", logging.INFO
 )
 
 

@@ -82,8 +82,10 @@ VALIDATION_ERROR_TYPE = "Bad Request"
 _NOT_FORWARDED = frozenset(("request_id", "token_ids", "stream", "stream_options"))
 
 log = logging.getLogger(__name__)
-# vLLM's own words for the fields it drops.
-IGNORED = IgnoredFields(log, "The following fields were present in the request but ignored: %s")
+# vLLM's own words for the fields it drops, at its level (a warning).
+IGNORED = IgnoredFields(
+    log, "The following fields were present in the request but ignored: %s", logging.WARNING
+)
 
 
 def error_type(status: int) -> str:
