@@ -33,6 +33,8 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.OutputFrame:
             "finish": out.finish,
             "usage": out.usage or {},
         }
+    # One test per field, spelled out: this runs for every token, and a loop over the
+    # names with getattr costs ~40% more (0.49 against 0.35 µs a frame).
     if out.logprobs is not None:
         frame["logprobs"] = out.logprobs
     if out.ranks is not None:
