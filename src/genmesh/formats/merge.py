@@ -123,7 +123,12 @@ class Rebaser:
     """
 
     def __init__(self, rules: Mapping[str, Rule]) -> None:
-        self.rules = {p: r for p, r in rules.items() if r in (Rule.ATTEMPT, Rule.PROMPT)}
+        # (path, its parent keys, its leaf key, rule), split once: rebase runs per token.
+        self.rules = [
+            (path, *_split(path), rule)
+            for path, rule in rules.items()
+            if rule in (Rule.ATTEMPT, Rule.PROMPT)
+        ]
         self._attempt: int | None = None
         self._first: int | None = None
         self._base: dict[str, Any] = {}  # attempt fields: total of the attempts before
@@ -142,9 +147,11 @@ class Rebaser:
             self._attempt = attempt
         if not self.rules:
             return record
-        out = _copy_maps(record)
-        for path, rule in self.rules.items():
-            *parents, leaf = path.split(".")
+        # The first attempt's records are what they say (there is nothing before them to
+        # add, no earlier prompt to restore): only noted, so no copy is needed.
+        first = attempt == self._first
+        out = record if first else _copy_maps(record)
+        for path, parents, leaf, rule in self.rules:
             node: Any = out
             for part in parents:
                 node = node.get(part) if isinstance(node, dict) else None
@@ -156,12 +163,17 @@ class Rebaser:
                 base = self._base.get(path)
                 if value is not None and base is not None:
                     node[leaf] = base + value
-            elif attempt == self._first:
+            elif first:
                 if value is not None:
                     self._prompt[path] = value
             elif path in self._prompt:
                 node[leaf] = self._prompt[path]
         return out
+
+
+def _split(path: str) -> tuple[list[str], str]:
+    *parents, leaf = path.split(".")
+    return parents, leaf
 
 
 def _copy_maps(record: Mapping[str, Any]) -> dict[str, Any]:
