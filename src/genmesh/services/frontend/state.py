@@ -64,6 +64,9 @@ class MeshBackend:
     namespace: str
     # How long admin fan-outs (abort, flush) wait for the workers' answers.
     admin_timeout_s: float = 5.0
+    # The catalog of the last engines() call and the infos it was built from: every
+    # request asks, and the infos change only when a worker joins, leaves or restarts.
+    _catalog: tuple[tuple[EngineInfo, ...], EngineCatalog] = ((), EngineCatalog())
 
     def generate(
         self, envelope: Envelope, *, no_migration: str | None = None
@@ -83,7 +86,10 @@ class MeshBackend:
         return [w.card for w in self.directory.live()]
 
     def engines(self) -> EngineCatalog:
-        return EngineCatalog(w.engine_info for w in self.directory.live() if w.engine_info)
+        infos = tuple(w.engine_info for w in self.directory.workers.values() if w.engine_info)
+        if infos != self._catalog[0]:  # identical objects compare at once
+            self._catalog = (infos, EngineCatalog(infos))
+        return self._catalog[1]
 
     def _worker_ids(self) -> set[str]:
         return {w.card["id"] for w in self.directory.live() if isinstance(w.card.get("id"), str)}
