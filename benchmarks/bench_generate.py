@@ -1,15 +1,16 @@
 """Benchmark SGLang /generate through the genmesh mesh against a direct-engine baseline.
 
     .venv/bin/python benchmarks/bench_generate.py [--requests N] [--concurrency 1,32]
-        [--output-tokens 16] [--prompt-tokens 32] [--repeats R] [--json FILE]
+        [--output-tokens 16] [--prompt-tokens 32] [--workers 1] [--repeats R] [--json FILE]
 
-Starts a nats-server and a mesh (1 router, 1 instant mock worker, 1 frontend), each its own
-OS process, and the direct-engine baseline (`benchmarks/direct_engine.py`: the same
+Starts a nats-server and a mesh (1 router, `--workers` instant mock workers, 1 frontend),
+each its own OS process, and the direct-engine baseline (`benchmarks/direct_engine.py`: the same
 MockEngine, format and rendering in one aiohttp process, no NATS). For every mode (sse,
 unary) and concurrency it warms both up, then runs a closed-loop load against mesh and
 baseline alternately, `--repeats` times, and reports the median of the repeats: req/s,
 latency and time-to-first-byte percentiles, errors, and server CPU per request (from
-/proc/<pid>/stat), plus the ratio mesh/baseline. A separate scenario measures how long a
+/proc/<pid>/stat) and per output token, by process (the workers summed), plus the ratio
+mesh/baseline. A separate scenario measures how long a
 cancel takes to stop a generation on a (slow) worker. See benchmarks/README.md.
 """
 
@@ -78,11 +79,12 @@ def instant_worker(nats_url: str, **service: Any) -> WorkerProcessConfig:
 
 
 def start_mesh(procs: Supervisor, nats_url: str, http_port: int, *workers: Any) -> None:
-    """1 router, the workers given (an instant mock if none), a frontend on `http_port`."""
+    """1 router, the workers given (an instant mock if none; named worker-1, ...), a
+    frontend on `http_port`."""
     mesh = mesh_connection(nats_url)
     procs.spawn_genmesh("router", RouterConfig(mesh=mesh))
-    for worker in workers or (instant_worker(nats_url),):
-        procs.spawn_genmesh("worker", worker)
+    for index, worker in enumerate(workers or (instant_worker(nats_url),), 1):
+        procs.spawn_genmesh(f"worker-{index}", worker)
     procs.spawn_genmesh("frontend", FrontendConfig(mesh=mesh, host="127.0.0.1", port=http_port))
 
 
@@ -94,8 +96,9 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def cpu_snapshot(pids: dict[str, int]) -> dict[str, int]:
-    return {name: cpu_ticks(pid) for name, pid in pids.items()}
+def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, int]:
+    """CPU ticks by process group (several workers count as one "worker")."""
+    return {name: sum(cpu_ticks(pid) for pid in group) for name, group in pids.items()}
 
 
 # --------------------------------------------------------------------------- load
@@ -105,7 +108,7 @@ def cpu_snapshot(pids: dict[str, int]) -> dict[str, int]:
 class Target:
     name: str  # "mesh" or "direct"
     url: str
-    pids: dict[str, int]  # the server processes whose CPU counts
+    pids: dict[str, list[int]]  # the server processes whose CPU counts, by group
     session: aiohttp.ClientSession | None = None
 
 
@@ -122,6 +125,7 @@ class RunResult:
     error_kinds: Counter[str]
     cpu_ms: dict[str, float]
     client_cpu_ms: float
+    output_tokens: int
 
     def summary(self) -> dict[str, Any]:
         ok = len(self.latencies_ms)
@@ -135,6 +139,10 @@ class RunResult:
             "cpu_ms_per_req_by_proc": {k: v / self.requests for k, v in self.cpu_ms.items()},
             "client_cpu_ms_per_req": self.client_cpu_ms / self.requests,
         }
+        # What a streamed token costs, for long outputs (issue 12: µs per token by process).
+        tokens = self.requests * self.output_tokens
+        out["cpu_us_per_token"] = sum(self.cpu_ms.values()) * 1000.0 / tokens
+        out["cpu_us_per_token_by_proc"] = {k: v * 1000.0 / tokens for k, v in self.cpu_ms.items()}
         for label, values in (("lat", self.latencies_ms), ("ttfb", self.ttfbs_ms)):
             for q in (50, 90, 99):
                 out[f"{label}_p{q}_ms"] = percentile(values, q)
@@ -282,6 +290,7 @@ async def run_load(
         error_kinds=errors,
         cpu_ms=cpu,
         client_cpu_ms=client_cpu,
+        output_tokens=output_tokens,
     )
 
 
@@ -409,10 +418,10 @@ def median_of(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     keys = [k for k, v in summaries[0].items() if isinstance(v, int | float)]
     out: dict[str, Any] = {k: statistics.median(s[k] for s in summaries) for k in keys}
     out["errors"] = sum(s["errors"] for s in summaries)
-    procs = summaries[0]["cpu_ms_per_req_by_proc"]
-    out["cpu_ms_per_req_by_proc"] = {
-        p: statistics.median(s["cpu_ms_per_req_by_proc"][p] for s in summaries) for p in procs
-    }
+    for by_proc in ("cpu_ms_per_req_by_proc", "cpu_us_per_token_by_proc"):
+        out[by_proc] = {
+            p: statistics.median(s[by_proc][p] for s in summaries) for p in summaries[0][by_proc]
+        }
     out["req_s_min"] = min(s["req_s"] for s in summaries)
     out["req_s_max"] = max(s["req_s"] for s in summaries)
     return out
@@ -477,6 +486,7 @@ def render_table(results: list[dict[str, Any]]) -> str:
                 data: dict[str, Any] = res["ratio"]
             else:
                 data = dict(res[row_name])
+                data.pop("cpu_us_per_token_by_proc")
                 data.update(data.pop("cpu_ms_per_req_by_proc"))
             cells = []
             for _, width, key, fmt in COLUMNS:
@@ -495,6 +505,27 @@ def render_table(results: list[dict[str, Any]]) -> str:
             lines.append("  ".join(cells).rstrip())
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def render_per_token(results: list[dict[str, Any]], output_tokens: int) -> str:
+    """Server CPU per output token in µs, by process: what long outputs cost."""
+    procs = ("frontend", "router", "worker", "nats")
+    header = f"{'mode':<5}  {'conc':>4}  {'target':<6}  {'µs/token':>8}" + "".join(
+        f"  {p:>8}" for p in procs
+    )
+    lines = [f"server CPU per output token, µs ({output_tokens} tokens per request):", header]
+    for res in results:
+        for name in ("mesh", "direct"):
+            data = res[name]
+            by_proc = data["cpu_us_per_token_by_proc"]
+            cells = "".join(
+                f"  {by_proc[p]:8.1f}" if p in by_proc else f"  {'-':>8}" for p in procs
+            )
+            lines.append(
+                f"{res['mode'] if name == 'mesh' else '':<5}  {res['concurrency']:>4}  "
+                f"{name:<6}  {data['cpu_us_per_token']:8.1f}{cells}"
+            )
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -524,6 +555,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", type=_modes, default=["sse", "unary"], help="sse,unary")
     p.add_argument("--output-tokens", type=int, default=16, help="max_new_tokens per request")
     p.add_argument("--prompt-tokens", type=int, default=32, help="input_ids per request")
+    p.add_argument(
+        "--workers", type=int, default=1, help="instant mock workers (compare_dynamo.sh: 2)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured runs per target")
     p.add_argument(
         "--warmup", type=int, default=100, help="warm-up requests per target and combination"
@@ -537,8 +571,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.requests < 1 or args.repeats < 1 or args.output_tokens < 1:
         p.error("--requests, --repeats and --output-tokens must be at least 1")
-    if args.prompt_tokens < 1:
-        p.error("--prompt-tokens must be at least 1")
+    if args.prompt_tokens < 1 or args.workers < 1:
+        p.error("--prompt-tokens and --workers must be at least 1")
+    if args.prompt_tokens + args.output_tokens > MockConfig().max_model_len:
+        p.error(
+            f"--prompt-tokens + --output-tokens must fit the mock's context length "
+            f"({MockConfig().max_model_len})"
+        )
     return args
 
 
@@ -554,10 +593,11 @@ async def bench(
     mesh = Target(
         "mesh",
         f"http://127.0.0.1:{ports['frontend']}",
-        {name: procs.get(name).pid for name in MESH_PROCS} | {"nats": procs.nats.pid},
+        {role: [c.pid for c in procs.children if c.role == role] for role in MESH_PROCS}
+        | {"nats": [procs.nats.pid]},
     )
     direct = Target(
-        "direct", f"http://127.0.0.1:{ports['direct']}", {"direct": procs.get("direct").pid}
+        "direct", f"http://127.0.0.1:{ports['direct']}", {"direct": [procs.get("direct").pid]}
     )
     limit = max(args.concurrency)
     for target in (mesh, direct):
@@ -685,6 +725,8 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     )
     print()
     print(render_table(report["results"]), flush=True)
+    print()
+    print(render_per_token(report["results"], args.output_tokens), flush=True)
     cancel = report.get("cancel")
     if cancel:
         print()
@@ -712,14 +754,18 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         nats_url = procs.start_nats()
         ports = {"frontend": free_port(), "direct": free_port()}
-        start_mesh(procs, nats_url, ports["frontend"])
+        workers = [instant_worker(nats_url) for _ in range(args.workers)]
+        start_mesh(procs, nats_url, ports["frontend"], *workers)
         procs.spawn(
             "direct",
             "direct",
             [sys.executable, str(HERE / "direct_engine.py"), "--host", "127.0.0.1",
              "--port", str(ports["direct"])],
         )  # fmt: skip
-        say(f"started nats, router, worker, frontend, direct engine (logs in {workdir})")
+        say(
+            f"started nats, router, {args.workers} worker(s), frontend, direct engine "
+            f"(logs in {workdir})"
+        )
         report = asyncio.run(bench(args, procs, nats_url, ports))
         env["loadavg_at_end"] = loadavg()
         report["env"] = env
@@ -731,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
                 "modes",
                 "output_tokens",
                 "prompt_tokens",
+                "workers",
                 "repeats",
                 "warmup",
                 "cancel_trials",

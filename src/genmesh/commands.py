@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -57,7 +58,10 @@ def cmd_frontend(config: FrontendConfig) -> int:
     from genmesh.services.frontend.serve import serve_frontend
     from genmesh.shared.lifecycle import configure_logging
 
-    configure_logging(config.mesh.log_level, "frontend")
+    # Frontends that share a port (`genmesh up --frontends`) log to the same terminal: the
+    # pid tells their lines apart.
+    label = f"frontend[{os.getpid()}]" if config.reuse_port else "frontend"
+    configure_logging(config.mesh.log_level, label)
     return _run_service(serve_frontend(config))
 
 

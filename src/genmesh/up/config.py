@@ -17,12 +17,22 @@ from genmesh.shared.settings import group, option, positive_int
 @dataclass(frozen=True, slots=True)
 class UpConfig:
     """`genmesh up`: the options of the services it starts, re-used from their own
-    declarations, and its own: how many of each, engine URLs, the first metrics port."""
+    declarations, and its own: how many of each, engine URLs, the first metrics port.
+    `records.path` is here, not left to the frontends' environment, because several
+    frontends must not write one file (`up.run.frontend_configs`)."""
 
     mesh: MeshConnection = group(MeshConnection(nats_url=""))  # "": start an embedded one
     auth: NatsAuth = nats_auth_group()
     frontend: FrontendConfig = group(
-        FrontendConfig(), only=("host", "port", "api_key", "admin_api_key", "admin_timeout_s")
+        FrontendConfig(),
+        only=("host", "port", "api_key", "admin_api_key", "admin_timeout_s", "records.path"),
+    )
+    frontends: int = option(
+        1,
+        parse=positive_int,
+        help="number of frontend processes, all on --port (SO_REUSEPORT: the kernel spreads "
+        "connections over them); with more than one, each writes its own --request-trace "
+        "file, PATH-f<n>",
     )
     workers: int = option(2, help="number of worker processes")
     routers: int = option(1, parse=positive_int, help="number of router processes")

@@ -6,18 +6,19 @@ import asyncio
 import itertools
 import os
 import sys
+import time
 from dataclasses import replace
 
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.shared.bus import NatsUnreachable, connect, redact
-from genmesh.shared.connection import MetricsConfig
+from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, NatsAuthError
 from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.lifecycle import STOP_SIGNALS
 from genmesh.shared.natsserver import NatsServerError
 from genmesh.shared.settings import to_env, variables
-from genmesh.supervisor import ChildExited, NotReady, Supervisor, wait_http_ok
+from genmesh.supervisor import Child, ChildExited, NotReady, Supervisor, wait_http_ok
 from genmesh.up.config import UpConfig
 
 READY_TIMEOUT_S = 30.0
@@ -55,6 +56,43 @@ def _worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
     ]
 
 
+def per_frontend_path(path: str, index: int) -> str:
+    """Frontend `index`'s own request-trace file: PATH-f<index> before the .jsonl/.jsonl.gz
+    suffix (so a .jsonl.gz one's segments are PATH-f<index>.<n>.jsonl.gz)."""
+    for suffix in (".jsonl.gz", ".gz", ".jsonl"):
+        if path.endswith(suffix):
+            return f"{path[: -len(suffix)]}-f{index}{suffix}"
+    return f"{path}-f{index}"
+
+
+def frontend_configs(config: UpConfig, mesh: MeshConnection) -> list[tuple[str, FrontendConfig]]:
+    """(name, config) of each frontend. Several share the port (SO_REUSEPORT) and so must
+    differ in what they write: each its own request-trace file. Their /metrics are each
+    one frontend's (docs/performance.md, "More than one frontend")."""
+    base = replace(config.frontend, mesh=mesh, auth=config.auth, api_key=None, admin_api_key=None)
+    if config.frontends == 1:
+        return [("frontend", base)]
+    out = []
+    for index in range(1, config.frontends + 1):
+        records = base.records
+        if records.path:
+            records = replace(records, path=per_frontend_path(records.path, index))
+        out.append((f"frontend-{index}", replace(base, reuse_port=True, records=records)))
+    return out
+
+
+async def _frontends_ready(url: str, count: int, children: list[Child]) -> None:
+    """Every frontend answers /health. Frontends that share a port cannot be addressed one
+    by one: each probe is a fresh connection the kernel hands to one of them (by a hash of
+    its address), and waits until that one is ready; 8 probes per frontend miss a given
+    one with a probability of about 2^-8 (and a frontend only listens once it has connected
+    to NATS, so a missed one is at most moments from ready)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for _ in range(1 if count == 1 else 8 * count):
+        left = max(deadline - time.monotonic(), 0.1)
+        await wait_http_ok(f"{url}/health", timeout_s=left, watch=children)
+
+
 def child_environment() -> dict[str, str]:
     """Ours, less every variable `genmesh up` read itself: what it resolved travels on the
     children's command lines (an inherited GENMESH_METRICS_PORT or GENMESH_PORT must not
@@ -66,6 +104,8 @@ def child_environment() -> dict[str, str]:
 async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> int:
     try:
         workers = _worker_configs(config)
+        if config.frontends > 1 and config.frontend.port == 0:
+            raise ValueError("--frontends above 1 needs a fixed --port, which they share")
     except ValueError as exc:
         _say(str(exc))
         return 2
@@ -103,16 +143,16 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
     for worker in workers:
         worker = replace(worker, mesh=mesh, auth=config.auth, metrics=metrics())
         await asyncio.to_thread(supervisor.spawn_genmesh, worker.service.worker_id, worker)
-    frontend = replace(config.frontend, mesh=mesh, auth=config.auth)
-    # The API keys are secrets: they reach the frontend in its environment, never argv.
-    keys = to_env(replace(FrontendConfig(), api_key=frontend.api_key,
-                          admin_api_key=frontend.admin_api_key))  # fmt: skip
-    frontend = replace(frontend, api_key=None, admin_api_key=None)
-    child = await asyncio.to_thread(supervisor.spawn_genmesh, "frontend", frontend, env=keys)
-    http_url = f"http://{frontend.host}:{frontend.port}"
-    ready = asyncio.ensure_future(
-        wait_http_ok(f"{http_url}/health", timeout_s=READY_TIMEOUT_S, watch=[child])
-    )
+    frontends = frontend_configs(config, mesh)
+    # The API keys are secrets: they reach the frontends in their environment, never argv.
+    keys = to_env(replace(FrontendConfig(), api_key=config.frontend.api_key,
+                          admin_api_key=config.frontend.admin_api_key))  # fmt: skip
+    children = [
+        await asyncio.to_thread(supervisor.spawn_genmesh, name, frontend, env=keys)
+        for name, frontend in frontends
+    ]
+    http_url = f"http://{config.frontend.host}:{config.frontend.port}"
+    ready = asyncio.ensure_future(_frontends_ready(http_url, len(children), children))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
@@ -122,7 +162,7 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
     try:
         ready.result()
     except (NotReady, ChildExited) as exc:
-        why = "the frontend exited" if isinstance(exc, ChildExited) else str(exc)
+        why = "a frontend exited" if isinstance(exc, ChildExited) else str(exc)
         _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({why}); stopping")
         return 1
     _print_summary(config, url, supervisor, http_url)
@@ -155,9 +195,9 @@ def _print_summary(config: UpConfig, nats_url: str, supervisor: Supervisor, http
     for child in supervisor.children:
         if child.role != "frontend":
             lines.append(f"  {child.role:<9} {child.name:<10} pid {child.pid}")
-    frontend = supervisor.get("frontend")
+    pids = ", ".join(str(c.pid) for c in supervisor.children if c.role == "frontend")
     lines += [
-        f"  frontend  {http_url}  pid {frontend.pid}  (POST /generate, GET /metrics)",
+        f"  frontend  {http_url}  pid {pids}  (POST /generate, GET /metrics)",
         "",
         "Try:",
         f"  curl -s {http_url}/generate -d "

@@ -18,6 +18,11 @@ class FrontendConfig:
     auth: NatsAuth = nats_auth_group()
     host: str = option("127.0.0.1", help="HTTP listen address")
     port: int = option(8000, help="HTTP port")
+    reuse_port: bool = option(
+        False,
+        help="share --port with other frontends (SO_REUSEPORT; the kernel spreads connections "
+        "over them); genmesh up --frontends sets it",
+    )
     generate_format: str = option(
         DEFAULT_GENERATE_FORMAT,
         help="format that serves /generate (entry-point group genmesh.formats)",

@@ -132,7 +132,7 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         resources.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, config.host, config.port)
+        site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
         await site.start()
         port = runner.addresses[0][1]
         routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)

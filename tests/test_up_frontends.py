@@ -1,0 +1,91 @@
+"""`genmesh up --frontends 2`: two frontend processes share the port (SO_REUSEPORT), both
+serve, each writes its own request-trace file, and Ctrl-C stops both."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.mesh import free_port
+from tests.test_cli import GENMESH, clean_env
+
+pytestmark = pytest.mark.process
+
+REQUESTS = 40
+
+
+def generate(port: int) -> list[int]:
+    # urllib opens a fresh connection per request: the kernel picks a frontend for each.
+    body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}'
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate",
+        data=body,
+        headers={"Content-Type": "application/json", "Connection": "close"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return list(json.loads(resp.read())["output_ids"])
+
+
+def test_two_frontends_share_the_port_and_both_serve(tmp_path: Path) -> None:
+    port = free_port()
+    trace = tmp_path / "trace.jsonl"
+    log = (tmp_path / "up.log").open("w+")
+    proc = subprocess.Popen(
+        [*GENMESH, "up", "--port", str(port), "--workers", "1", "--frontends", "2",
+         "--request-trace", str(trace)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=clean_env(GENMESH_MOCK_SPEEDUP="0"),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "Ctrl-C stops everything" not in "".join(lines):
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        assert "genmesh is up" in text, text + Path(log.name).read_text()
+        frontend_line = next(line for line in lines if line.strip().startswith("frontend"))
+        pids = [int(p) for p in re.findall(r"\d+", frontend_line.split("pid", 1)[1])]
+        assert len(set(pids)) == 2, frontend_line
+
+        for _ in range(REQUESTS):
+            assert len(generate(port)) == 4
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        for pid in pids:  # both frontends are gone (and reaped), not only `up`
+            assert not Path(f"/proc/{pid}").exists()
+        # Each frontend wrote its own file (closed, so flushed, at the stop), and the
+        # kernel gave each some of the connections.
+        files = [tmp_path / "trace-f1.jsonl", tmp_path / "trace-f2.jsonl"]
+        counts = [len(f.read_text().splitlines()) for f in files]
+        assert not trace.exists()
+        assert sum(counts) == REQUESTS, counts
+        assert min(counts) > 0, counts
+        assert "frontend[" in Path(log.name).read_text()  # log lines say which frontend
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_several_frontends_need_a_fixed_port() -> None:
+    result = subprocess.run(
+        [*GENMESH, "up", "--port", "0", "--frontends", "2"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "needs a fixed --port" in result.stderr
