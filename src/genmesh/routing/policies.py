@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from genmesh.shared.settings import option
 
 if TYPE_CHECKING:  # imported for types only: the router's --help lists the policies
     from genmesh.shared.discovery import WorkerInfo
@@ -71,3 +73,12 @@ def make_policy(name: str) -> Policy:
         raise ValueError(
             f"unknown router policy {name!r}; choose one of: {', '.join(POLICIES)}"
         ) from None
+
+
+def policy_option() -> Any:
+    """The `--router-policy` option, declared once for every config that routes: a
+    router's (`RouterConfig`) and a frontend's that routes itself (`FrontendConfig`), so
+    that `genmesh up --router-policy X` means the same in both."""
+    return option(
+        "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
+    )
