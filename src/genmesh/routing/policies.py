@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from genmesh.shared.settings import option
 
@@ -75,10 +75,9 @@ def make_policy(name: str) -> Policy:
         ) from None
 
 
-def policy_option() -> Any:
-    """The `--router-policy` option, declared once for every config that routes: a
-    router's (`RouterConfig`) and a frontend's that routes itself (`FrontendConfig`), so
-    that `genmesh up --router-policy X` means the same in both."""
-    return option(
-        "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
-    )
+# `--router-policy`, declared once for every config that routes: a router's
+# (`RouterConfig`) and a frontend's that routes itself (`FrontendConfig`), each taking it
+# with `settings.reuse`, so that `genmesh up --router-policy X` means the same in both.
+POLICY_OPTION = option(
+    "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
+)

@@ -64,6 +64,9 @@ def child_environment() -> dict[str, str]:
 
 
 async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> int:
+    if config.routers == 0 and config.frontend.routing == "routers":
+        _say("--routing routers needs a router: give --routers 1 or more")
+        return 2
     try:
         workers = _worker_configs(config)
     except ValueError as exc:
@@ -103,7 +106,10 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
     for worker in workers:
         worker = replace(worker, mesh=mesh, auth=config.auth, metrics=metrics())
         await asyncio.to_thread(supervisor.spawn_genmesh, worker.service.worker_id, worker)
-    frontend = replace(config.frontend, mesh=mesh, auth=config.auth)
+    # The frontend routes with the routers' policy (`--router-policy` reaches both).
+    frontend = replace(
+        config.frontend, mesh=mesh, auth=config.auth, router_policy=config.router.policy
+    )
     # The API keys are secrets: they reach the frontend in its environment, never argv.
     keys = to_env(replace(FrontendConfig(), api_key=frontend.api_key,
                           admin_api_key=frontend.admin_api_key))  # fmt: skip

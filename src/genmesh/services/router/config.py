@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genmesh.routing.policies import policy_option
+from genmesh.routing.policies import POLICY_OPTION
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_router_id
-from genmesh.shared.settings import group, option
+from genmesh.shared.settings import group, option, reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,5 +21,5 @@ class RouterConfig:
     router_id: str = option(
         default_factory=new_router_id, help="router id (a subject token); random if unset"
     )
-    policy: str = policy_option()
+    policy: str = reuse(POLICY_OPTION)
     metrics: MetricsConfig = group(MetricsConfig())
