@@ -64,6 +64,7 @@ class Attempt:
         self.subject = subject or ""  # set by _route when not given
         # The client's own routing decision, when it routed the attempt itself.
         self.decision: Decision | None = None
+        self.policy: str | None = None  # its policy, when the client routed it (traces)
         self.deadline = deadline  # on the event loop's clock
         # The worker that acknowledged the attempt, once one did.
         self.worker: str | None = None
@@ -83,7 +84,7 @@ class Attempt:
         refusal = self._route()
         # A span per attempt (a child of the caller's current span), ended by its terminal
         # frame, or below when the attempt is left without one.
-        span = attempt_span(self.envelope, self.subject)
+        span = attempt_span(self.envelope, self.subject, self.policy, self.decision)
         finished = False
         try:
             frame: frames.Frame | None = refusal or await self._publish(token, span)
@@ -118,6 +119,7 @@ class Attempt:
         if client.router is None:
             self.subject = client.subjects.router_generate
             return None
+        self.policy = client.router.policy.name
         try:
             self.decision = client.router.choose(self.envelope)
         except MeshError as error:
