@@ -80,8 +80,8 @@ class Attempt:
         """Its frames, ending with one terminal frame (made up here if need be)."""
         client = self.client
         rid = self.envelope.id
-        token, queue = client.open_stream()
         refusal = self._route()
+        token, queue = client.open_stream()
         # A span per attempt (a child of the caller's current span), ended by its terminal
         # frame, or below when the attempt is left without one.
         span = attempt_span(self.envelope, self.subject, self.policy, self.decision)
