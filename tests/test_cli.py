@@ -122,6 +122,19 @@ def test_up_with_unreachable_nats_fails_fast() -> None:
     assert time.monotonic() - started < 10
 
 
+def test_up_without_routers_needs_a_frontend_that_routes() -> None:
+    """`--routers 0` is an HTTP-only mesh; a frontend routing through routers needs one."""
+    out = subprocess.run(
+        [*GENMESH, "up", "--routers", "0", "--routing", "routers"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert "--routing routers needs a router" in out.stderr
+
+
 @pytest.mark.parametrize("role", ["frontend", "router", "worker"])
 def test_services_fail_fast_without_nats(role: str) -> None:
     out = subprocess.run(

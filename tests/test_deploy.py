@@ -371,7 +371,7 @@ MATRIX: list[Rule] = [
     Rule("frontend", "pub", "genmesh.{ns}.trace", True, "--request-trace-nats"),
     Rule("frontend", "pub", "genmesh.{ns}.abort", True, "/abort_request, /abort_requests"),
     Rule("frontend", "pub", "genmesh.{ns}.flush_cache", True, "/flush_cache"),
-    Rule("frontend", "pub", W + ".generate", False, "no way around the routers"),
+    Rule("frontend", "pub", W + ".generate", True, "routes its own requests"),
     Rule("frontend", "pub", "genmesh.{ns}.discovery.announce", False, "cannot pose as a worker"),
     Rule(
         "frontend", "sub", "genmesh.{ns}.discovery.>", True, "worker cards, router presence",

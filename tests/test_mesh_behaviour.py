@@ -76,7 +76,8 @@ async def test_no_worker_is_503_at_once(own_mesh: InProcessMesh, nats_url: str) 
 
 @pytest.mark.process
 async def test_health_needs_a_router_too(proc_mesh: Mesh) -> None:
-    proc_mesh.add_frontend()
+    """With --routing routers (a frontend that routes itself needs none)."""
+    proc_mesh.add_frontend("--routing", "routers")
     proc_mesh.add_worker()
     async with aiohttp.ClientSession() as s, s.get(proc_mesh.http_url + "/health") as r:
         assert r.status == 503
@@ -110,7 +111,7 @@ async def test_several_routers_share_the_load_and_survive_each_other(
     proc_mesh: Mesh,
 ) -> None:
     routers = [proc_mesh.add_router(), proc_mesh.add_router()]
-    proc_mesh.add_frontend()
+    proc_mesh.add_frontend("--routing", "routers")
     workers = [proc_mesh.add_worker() for _ in range(3)]
     for _ in range(30):
         reply = await post(proc_mesh.http_url + "/generate", BODY)

@@ -351,7 +351,7 @@ def start(nats_url: str, workers: int) -> tuple[InProcessMesh, Scraper, dict[str
                 extra_args=("--metrics-port", str(port)),
             )
             worker_ports[service.name] = port
-        mesh.add_frontend()
+        mesh.add_frontend("--routing", "routers")  # the router's metrics are under test
         mesh.wait_for_workers(lambda ids: set(worker_ports) <= ids, what="the workers")
     except BaseException:
         print(mesh.logs())

@@ -7,8 +7,9 @@ formats, through the in-process mock engine and through the SGLang and vLLM adap
 front of failing mock servers. The uninterrupted run is the same request sent first,
 with no fault, through the same mesh.
 
-Where the fault lands: every mesh here has one round-robin router, so after a request
-served by worker i the next goes to worker i+1 (in id order). Each example learns i from
+Where the fault lands: every mesh here routes round robin (in its one frontend, or its one
+router for NATS-level requests), so after a request served by worker i the next goes to
+worker i+1 (in id order). Each example learns i from
 the workers' request counters during its uninterrupted run and queues the fault on i+1
 only; a fault queued on every worker would also hit the continuations (each attempt
 excludes only the workers that failed it).
@@ -415,7 +416,7 @@ async def landing(
 
 
 def successor(control: FaultControl, worker_id: str) -> str:
-    """Where the round-robin router sends the next request."""
+    """Where round-robin routing sends the next request."""
     ordered = control.worker_ids
     return ordered[(ordered.index(worker_id) + 1) % len(ordered)]
 

@@ -136,7 +136,7 @@ async def test_off_nothing_is_built() -> None:
     tracing.install(None)
     assert tracing.tracer() is None
     envelope = request([1, 2, 3])
-    assert attempt_span(envelope, "genmesh.x.router.generate") is None
+    assert attempt_span(envelope, "genmesh.x.router.generate", None, None) is None
     assert worker_span("s", envelope, "w", "mock", "d") is None
     headers = {"Accept": "text/event-stream"}
     assert tracing.inject_current(headers) is headers
@@ -288,7 +288,8 @@ async def in_process_mesh(
         )
         await worker.start()
         await router.start()
-        frontend = await start_frontend(frontend_options(nats_url, namespace))
+        # Through the router: its span is part of the chain under test.
+        frontend = await start_frontend(frontend_options(nats_url, namespace, routing="routers"))
         try:
             await wait_for(
                 lambda: (
@@ -347,6 +348,49 @@ async def test_in_process_chain_and_nothing_leaks(
     assert f"00-{trace_id}-{hexid(engine.context.span_id)}" in {
         tp.rsplit("-", 1)[0] for tp in state["traceparents"]
     }
+
+
+@pytest.mark.inproc
+async def test_a_frontend_that_routes_puts_its_decision_on_the_attempt_span(
+    in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter, nats_url: str
+) -> None:
+    """No router span: the worker's span is the attempt's child, and the attempt says how
+    it was routed; a refusal is the attempt's own error."""
+    _, _, _, router = in_process_mesh
+    namespace = router.subjects.namespace
+    frontend = await start_frontend(frontend_options(nats_url, namespace))
+    url = f"http://127.0.0.1:{frontend.port}"
+    try:
+        await wait_for(lambda: frontend.state.backend.not_ready_reason() is None)
+        memory.clear()
+        async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=sglang_body()) as r:
+            assert r.status == 200
+            await r.read()
+        await wait_for(lambda: len(by_kind(memory.get_finished_spans(), SpanKind.CONSUMER)) == 1)
+        spans = memory.get_finished_spans()
+        (attempt,) = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
+        (worker_span,) = by_kind(spans, SpanKind.CONSUMER)
+        assert child_of(worker_span, attempt)
+        assert attempt.name == f"send genmesh.{namespace}.worker.w-in.generate"
+        attrs = dict(attempt.attributes or {})
+        assert attrs["genmesh.router.policy"] == "round_robin"
+        assert attrs["genmesh.router.candidates"] == 1
+        assert attrs["genmesh.worker"] == "w-in"
+
+        memory.clear()
+        body = {"model": "no-such-model", "token_ids": [1, 2], "sampling_params": {}}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url + "/inference/v1/generate", json=body) as r,
+        ):
+            assert r.status == 404
+        await wait_for(lambda: len(by_kind(memory.get_finished_spans(), SpanKind.SERVER)) == 1)
+        spans = memory.get_finished_spans()
+        (attempt,) = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
+        assert attempt.status.status_code is StatusCode.ERROR
+        assert not by_kind(spans, SpanKind.CONSUMER)
+    finally:
+        await frontend.close()
 
 
 @pytest.mark.inproc
@@ -561,7 +605,7 @@ def traced(
     try:
         _, engine_url = mesh.spawn_engine_server("sglang")
         mesh.add_router()
-        mesh.add_frontend()
+        mesh.add_frontend("--routing", "routers")  # the router's spans are under test
         mesh.add_worker(SGLANG_WORKER, engine="sglang", engine_url=engine_url)
         mesh.add_worker(FAULTY_WORKER, testkit_faults=True)
         yield mesh, engine_url

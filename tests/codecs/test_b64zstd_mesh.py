@@ -288,7 +288,8 @@ async def test_frames_on_the_wire_are_base64_text(fronts: Frontends, nc: Client)
 async def test_the_packed_frontend_publishes_b64zstd_and_the_plain_one_msgpack(
     fronts: Frontends, nc: Client
 ) -> None:
-    """Tap the router subject and the frontends' inboxes while both frontends serve."""
+    """Tap the workers' subjects (the frontends route themselves) and the frontends'
+    inboxes while both frontends serve."""
     subjects = Subjects(fronts.mesh.namespace)
     requests: list[Msg] = []
     frames: list[Msg] = []
@@ -299,8 +300,8 @@ async def test_the_packed_frontend_publishes_b64zstd_and_the_plain_one_msgpack(
     async def on_frame(msg: Msg) -> None:
         frames.append(msg)
 
-    # Plain subscriptions see a copy of everything (the routers' queue group is separate).
-    await nc.subscribe(subjects.router_generate, cb=on_request)
+    # Plain subscriptions see a copy of everything sent to the workers.
+    await nc.subscribe(subjects.worker_generate("*"), cb=on_request)
     await nc.subscribe("_INBOX_frontend.>", cb=on_frame)
     await flush_in_order(nc)
     a = await post(fronts.plain, {**BASE, "input_ids": [4, 4, 4]})

@@ -27,11 +27,12 @@ from genmesh.codecs import CodecError, UnknownCodecError
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import PING_NOT_RUNNING, codec_headers, is_no_responders, message_codec
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.errors import ErrorCode
+from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.tasks import keep_cancel
 
 if TYPE_CHECKING:
     from genmesh.client.mesh_client import MeshClient
+    from genmesh.routing.choice import Decision
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,18 @@ Incoming = Msg | Failure
 
 
 class Attempt:
-    """One dispatch of `envelope` to `subject`, by `client`."""
+    """One dispatch of `envelope` by `client`: to `subject` when given (a pinned request),
+    else to the worker the client's routing core chooses, else to the routers."""
 
     def __init__(
-        self, client: MeshClient, envelope: Envelope, subject: str, deadline: float | None
+        self, client: MeshClient, envelope: Envelope, subject: str | None, deadline: float | None
     ) -> None:
         self.client = client
         self.envelope = envelope
-        self.subject = subject
+        self.subject = subject or ""  # set by _route when not given
+        # The client's own routing decision, when it routed the attempt itself.
+        self.decision: Decision | None = None
+        self.policy: str | None = None  # its policy, when the client routed it (traces)
         self.deadline = deadline  # on the event loop's clock
         # The worker that acknowledged the attempt, once one did.
         self.worker: str | None = None
@@ -75,13 +80,14 @@ class Attempt:
         """Its frames, ending with one terminal frame (made up here if need be)."""
         client = self.client
         rid = self.envelope.id
+        refusal = self._route()
         token, queue = client.open_stream()
         # A span per attempt (a child of the caller's current span), ended by its terminal
         # frame, or below when the attempt is left without one.
-        span = attempt_span(self.envelope, self.subject)
+        span = attempt_span(self.envelope, self.subject, self.policy, self.decision)
         finished = False
         try:
-            frame: frames.Frame | None = await self._publish(token, span)
+            frame: frames.Frame | None = refusal or await self._publish(token, span)
             while frame is None or frame["t"] not in frames.TERMINAL:
                 if frame is not None:
                     if span is not None:
@@ -102,6 +108,28 @@ class Attempt:
                     await client.cancel(rid)
                 except Exception as exc:
                     log.warning("could not publish cancel for %s: %s", rid, exc)
+
+    def _route(self) -> frames.ErrFrame | None:
+        """Set the subject the attempt goes to; the `err` frame that ends it at once when
+        the client routes and no worker may serve it: the refusal a router would send
+        (`frames.err`, seq 0), so that the caller cannot tell who routed."""
+        client = self.client
+        if self.subject:
+            return None
+        if client.router is None:
+            self.subject = client.subjects.router_generate
+            return None
+        self.policy = client.router.policy.name
+        try:
+            self.decision = client.router.choose(self.envelope)
+        except MeshError as error:
+            log.info(
+                "request %s not routed: %s: %s", self.envelope.id, error.code.value, error.message
+            )
+            self.subject = client.subjects.worker_generate("*")  # the span's name only
+            return frames.err(self.envelope.id, 0, error)
+        self.subject = self.decision.worker.subject
+        return None
 
     async def _publish(self, token: str, span: tracing.FrameSpan | None) -> frames.Frame | None:
         """Send the request; None once it is out, else the `err` frame that ends it."""
@@ -229,6 +257,15 @@ class Attempt:
         problems become a terminal `err` frame."""
         rid = self.envelope.id
         client = self.client
+        if is_no_responders(msg) and self.decision is not None:
+            # The worker chosen here has gone since discovery last heard of it.
+            worker = self.decision.worker.id
+            client.quarantine.add(worker)
+            return self._failed(
+                MigrationReason.WORKER_GONE,
+                ErrorCode.UNAVAILABLE,
+                f"worker {worker} is gone (nothing is subscribed to {self.subject})",
+            )
         if is_no_responders(msg):
             # Routers go missing for a moment when they reconnect to NATS; a worker subject
             # is a pinned request's, which never moves.

@@ -31,6 +31,7 @@ from genmesh.client.migration import (
     Quarantine,
 )
 from genmesh.codecs import Codec, get_codec
+from genmesh.routing.choice import Chooser
 from genmesh.shared import frames
 from genmesh.shared.bus import (
     check_subscriptions,
@@ -108,8 +109,12 @@ class MeshClient:
         ping_after_s: float = DEFAULT_PING_AFTER_S,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         directory: WorkerDirectory | None = None,
+        router: Chooser | None = None,
         owns_connection: bool = False,
     ) -> None:
+        """`directory`: discovery, whose departures fail the streams of the workers that
+        left (a migration trigger). `router`: route each attempt here, straight to the
+        worker it chooses, instead of through the router processes."""
         self.nc = nc
         self.subjects = Subjects(namespace)
         self.codec: Codec = get_codec(codec)
@@ -118,6 +123,7 @@ class MeshClient:
         self.ping_after_s = ping_after_s
         self.migration_limit = migration_limit
         self.migrations = 0
+        self.router = router
         # Workers found dead: every request this client sends avoids them for a while.
         self.quarantine = Quarantine()
         self._owns_connection = owns_connection
@@ -197,8 +203,9 @@ class MeshClient:
         subject: str | None = None,
         no_migration: str | None = None,
     ) -> AsyncGenerator[ClientFrame, None]:
-        """Dispatch `envelope` (to the routers unless `subject` says otherwise); yield its
-        frames, and a `mig` frame before each attempt after the first.
+        """Dispatch `envelope` (to `subject` if given, else to the worker this client's
+        `router` chooses, else to the routers); yield its frames, and a `mig` frame before
+        each attempt after the first.
 
         `no_migration`: why this request must not continue elsewhere once tokens were
         delivered (a restart before any token is always safe). Pinned requests (a
@@ -216,9 +223,8 @@ class MeshClient:
             deadline=_loop_deadline(envelope.deadline),
             clock=loop.time,
         )
-        target = subject or self.subjects.router_generate
         while True:
-            attempt = Attempt(self, migrator.envelope, target, migrator.deadline)
+            attempt = Attempt(self, migrator.envelope, subject, migrator.deadline)
             async with contextlib.aclosing(attempt.stream()) as stream:
                 async for frame in stream:
                     if not migrator.accept(frame):

@@ -117,6 +117,17 @@ def option(
     return field(default=default, metadata={_KEY: declared})
 
 
+def reuse(declared: Any) -> Any:
+    """A field declared by the same `Option` as `declared` (an `option(...)` field), for an
+    option several commands take as their own: `--router-policy` (routers, and frontends
+    that route)."""
+    return field(
+        default=declared.default,
+        default_factory=declared.default_factory,
+        metadata=declared.metadata,
+    )
+
+
 def group(
     default: Any,
     *,
@@ -137,6 +148,13 @@ def group(
 def positive_int(text: str) -> int:
     number = int(text)
     if number < 1:
+        raise ValueError(text)
+    return number
+
+
+def non_negative_int(text: str) -> int:
+    number = int(text)
+    if number < 0:
         raise ValueError(text)
     return number
 

@@ -11,7 +11,7 @@ from genmesh.services.router.config import RouterConfig
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
-from genmesh.shared.settings import group, option, positive_int
+from genmesh.shared.settings import group, non_negative_int, option, positive_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,15 @@ class UpConfig:
     auth: NatsAuth = nats_auth_group()
     frontend: FrontendConfig = group(
         FrontendConfig(),
-        only=("host", "port", "api_key", "admin_api_key", "admin_timeout_s", "records.path"),
+        only=(
+            "host",
+            "port",
+            "routing",
+            "api_key",
+            "admin_api_key",
+            "admin_timeout_s",
+            "records.path",
+        ),
     )
     frontends: int = option(
         1,
@@ -35,7 +43,11 @@ class UpConfig:
         "file, PATH-f<n>",
     )
     workers: int = option(2, help="number of worker processes")
-    routers: int = option(1, parse=positive_int, help="number of router processes")
+    # Routers serve NATS-level clients (and the frontend with --routing routers); the
+    # frontend routes its own requests by default, so a mesh for HTTP clients needs none.
+    routers: int = option(
+        1, parse=non_negative_int, help="number of router processes (0: none; HTTP only)"
+    )
     router: RouterConfig = group(RouterConfig(), only=("policy",))
     worker: WorkerProcessConfig = group(
         WorkerProcessConfig(),

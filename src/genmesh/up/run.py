@@ -69,7 +69,15 @@ def frontend_configs(config: UpConfig, mesh: MeshConnection) -> list[tuple[str, 
     """(name, config) of each frontend. Several share the port (SO_REUSEPORT) and so must
     differ in what they write: each its own request-trace file. Their /metrics are each
     one frontend's (docs/performance.md, "More than one frontend")."""
-    base = replace(config.frontend, mesh=mesh, auth=config.auth, api_key=None, admin_api_key=None)
+    # Each frontend routes with the routers' policy (`--router-policy` reaches both).
+    base = replace(
+        config.frontend,
+        mesh=mesh,
+        auth=config.auth,
+        router_policy=config.router.policy,
+        api_key=None,
+        admin_api_key=None,
+    )
     if config.frontends == 1:
         return [("frontend", base)]
     out = []
@@ -102,6 +110,9 @@ def child_environment() -> dict[str, str]:
 
 
 async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> int:
+    if config.routers == 0 and config.frontend.routing == "routers":
+        _say("--routing routers needs a router: give --routers 1 or more")
+        return 2
     try:
         workers = _worker_configs(config)
         if config.frontends > 1 and config.frontend.port == 0:

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
 from genmesh.records.config import RecordsConfig
+from genmesh.routing.policies import POLICY_OPTION
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
-from genmesh.shared.settings import group, non_negative_float, option
+from genmesh.shared.settings import group, non_negative_float, option, reuse
+
+ROUTING_MODES = ("frontend", "routers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,15 @@ class FrontendConfig:
         help="format that serves /generate (entry-point group genmesh.formats)",
     )
     codec: str = option("msgpack", help="codec for requests on the bus")
+    # Routing here saves a process hop and a NATS message per request; routers stay for
+    # NATS-level clients, and as an option.
+    routing: str = option(
+        "frontend",
+        choices=ROUTING_MODES,
+        help="who picks each request's worker: this frontend (routing core, no router "
+        "needed), or the router processes",
+    )
+    router_policy: str = reuse(POLICY_OPTION)
     model: str = option("genmesh-mock", help="model name reported before any worker is known")
     body_limit_mb: float = option(32.0, help="largest request body")
     ack_timeout_s: float = option(

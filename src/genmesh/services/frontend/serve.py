@@ -14,6 +14,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
+from genmesh.routing.choice import Chooser
+from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.frontend.metrics import FrontendMetrics
@@ -82,6 +84,9 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             auth=config.auth,
         )
         directory = WorkerDirectory(nc, subjects)
+        router = None
+        if config.routing == "frontend":
+            router = Chooser(directory, make_policy(config.router_policy))
         client = MeshClient(
             nc,
             namespace,
@@ -91,6 +96,7 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             migration_limit=config.migration_limit,
             ping_after_s=config.ping_after_s,
             directory=directory,  # a worker that leaves discovery is a migration trigger
+            router=router,
         )
         backend = MeshBackend(
             nc, client, directory, namespace, admin_timeout_s=config.admin_timeout_s
@@ -137,6 +143,8 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         port = runner.addresses[0][1]
         routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)
         log.info("frontend listening on http://%s:%d (%s)", config.host, port, routes)
+        if router is not None:
+            log.info("frontend routes requests itself (policy %s)", router.policy.name)
         return RunningFrontend(state, runner, port, records, resources.pop_all())
 
 

@@ -76,7 +76,8 @@ class MeshBackend:
     def not_ready_reason(self) -> str | None:
         if not self.nc.is_connected:
             return "genmesh is not ready: not connected to NATS"
-        if not self.directory.routers:
+        # A client that routes itself needs no router.
+        if self.client.router is None and not self.directory.routers:
             return f"genmesh is not ready: no router is running in namespace {self.namespace!r}"
         if not self.directory.workers:
             return f"genmesh is not ready: no worker is registered in namespace {self.namespace!r}"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genmesh.services.router.policies import POLICIES
+from genmesh.routing.policies import POLICY_OPTION
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_router_id
-from genmesh.shared.settings import group, option
+from genmesh.shared.settings import group, option, reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,5 @@ class RouterConfig:
     router_id: str = option(
         default_factory=new_router_id, help="router id (a subject token); random if unset"
     )
-    policy: str = option(
-        "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
-    )
+    policy: str = reuse(POLICY_OPTION)
     metrics: MetricsConfig = group(MetricsConfig())

@@ -1,4 +1,5 @@
-"""The router: picks a worker per request and forwards the request bytes to it.
+"""The router: picks a worker per request (the routing core, `genmesh.routing`) and
+forwards the request bytes to it.
 
 The forward keeps the requester's reply subject, so the token stream goes straight from
 the worker to the requester. Routers share the queue group `router`: each request reaches
@@ -16,13 +17,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from genmesh.codecs import get_codec
+from genmesh.routing.choice import Chooser
+from genmesh.routing.policies import Policy, make_policy
 from genmesh.services.router import tracing as router_tracing
-from genmesh.services.router.policies import Policy, make_policy
 from genmesh.shared.bus import check_subscriptions, publish, unsubscribe_quietly
-from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
+from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.endpoint import EnvelopeEndpoint, Request
-from genmesh.shared.envelope import Envelope
-from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.errors import MeshError
 from genmesh.shared.lifecycle import Service
 from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
 from genmesh.shared.tasks import TaskOwner
@@ -48,9 +49,8 @@ class Router(Service):
         self.endpoint = EnvelopeEndpoint(
             nc, subjects.router_generate, self._route, queue=ROUTER_QUEUE_GROUP
         )
+        self.chooser = Chooser(self.directory, self.policy)
         self.decisions: Counter[str] = Counter()
-        # The free eligible workers of the last choice (for its trace span).
-        self.last_candidates: list[WorkerInfo] = []
         self.heartbeat_interval_s = heartbeat_interval_s
         self._tasks = TaskOwner(f"router {router_id}")
         # What start() set up, undone in reverse order by stop().
@@ -118,52 +118,6 @@ class Router(Service):
         if not self._tasks.closed:  # once stopping, a late announce would undo the leave
             await self._announce()
 
-    def choose(self, envelope: Envelope) -> WorkerInfo:
-        """The worker for `envelope`, or MeshError (no_worker, not_found, overloaded)."""
-        routing = envelope.routing
-        workers = self.directory.live()
-        if not workers:
-            raise MeshError(
-                ErrorCode.NO_WORKER,
-                f"no worker is registered in namespace {self.subjects.namespace!r}",
-            )
-        if envelope.model is not None and not any(w.model == envelope.model for w in workers):
-            served = ", ".join(sorted({w.model for w in workers if w.model})) or "none reported"
-            raise MeshError(
-                ErrorCode.NOT_FOUND,
-                f"model {envelope.model!r} is not served here; served: {served}",
-            )
-        if routing.worker is not None:
-            pinned = self.directory.workers.get(routing.worker)
-            if pinned is None:
-                raise MeshError(ErrorCode.NO_WORKER, f"worker {routing.worker!r} is not known")
-            workers = [pinned]
-        eligible = [
-            w
-            for w in workers
-            if w.serves(envelope.format) and (envelope.model is None or w.model == envelope.model)
-        ]
-        if not eligible:
-            wanted = [f"format {envelope.format!r}"]
-            if envelope.model is not None:
-                wanted.append(f"model {envelope.model!r}")
-            raise MeshError(
-                ErrorCode.NO_WORKER,
-                f"none of the {len(workers)} known workers is eligible ({', '.join(wanted)})",
-            )
-        free = [w for w in eligible if not w.full]
-        if not free:
-            raise MeshError(
-                ErrorCode.OVERLOADED, f"all {len(eligible)} eligible workers are at capacity"
-            )
-        # Excluded workers are a last resort, not banned: a worker that failed a request may
-        # have failed for a passing reason (a NATS reconnect, an engine restart), discovery
-        # drops the dead ones, and the migration limit bounds the retries.
-        excluded = set(routing.exclude)
-        free = [w for w in free if w.id not in excluded] or free
-        self.last_candidates = free
-        return self.policy.choose(free)
-
     async def _route(self, request: Request) -> None:
         """Forward `request` to the worker `choose` picks, or raise why there is none."""
         msg, envelope = request.msg, request.envelope
@@ -171,15 +125,15 @@ class Router(Service):
             msg.headers, self.subjects.router_generate, envelope, self.policy.name, self.router_id
         )
         try:
-            worker = self.choose(envelope)
+            decision = self.chooser.choose(envelope)
         except MeshError as exc:
             router_tracing.rejected(span, exc.code, exc.message)
             raise
-        self.directory.note_sent(worker)
+        worker = decision.worker
         self.decisions[worker.id] += 1
         # The original bytes and headers (codec) go on untouched, but for the trace context:
         # with tracing on, this router's span becomes the worker span's parent.
         headers = msg.headers
         if span is not None:
-            headers = router_tracing.routed(span, worker, self.last_candidates, headers)
+            headers = router_tracing.routed(span, worker, decision.candidates, headers)
         await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=headers)

@@ -6,6 +6,8 @@ import itertools
 import random
 from typing import TYPE_CHECKING, Protocol
 
+from genmesh.shared.settings import option
+
 if TYPE_CHECKING:  # imported for types only: the router's --help lists the policies
     from genmesh.shared.discovery import WorkerInfo
 
@@ -71,3 +73,11 @@ def make_policy(name: str) -> Policy:
         raise ValueError(
             f"unknown router policy {name!r}; choose one of: {', '.join(POLICIES)}"
         ) from None
+
+
+# `--router-policy`, declared once for every config that routes: a router's
+# (`RouterConfig`) and a frontend's that routes itself (`FrontendConfig`), each taking it
+# with `settings.reuse`, so that `genmesh up --router-policy X` means the same in both.
+POLICY_OPTION = option(
+    "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
+)

@@ -1,0 +1,78 @@
+"""`Chooser`: the worker for an envelope, from a directory of live workers and a policy
+(docs/protocol.md §7 says what any router must do; this is that, once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genmesh.routing.policies import Policy
+from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
+from genmesh.shared.envelope import Envelope
+from genmesh.shared.errors import ErrorCode, MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A routing decision: the worker, and the free eligible workers it was chosen among
+    (for traces)."""
+
+    worker: WorkerInfo
+    candidates: list[WorkerInfo]
+
+
+class Chooser:
+    """Chooses a worker per envelope among `directory`'s live workers, with `policy`."""
+
+    def __init__(self, directory: WorkerDirectory, policy: Policy) -> None:
+        self.directory = directory
+        self.policy = policy
+
+    def choose(self, envelope: Envelope) -> Decision:
+        """The worker for `envelope`, counted as sent to it (its load until its next
+        report); or MeshError (no_worker, not_found, overloaded) saying why there is none."""
+        routing = envelope.routing
+        directory = self.directory
+        workers = directory.live()
+        if not workers:
+            raise MeshError(
+                ErrorCode.NO_WORKER,
+                f"no worker is registered in namespace {directory.subjects.namespace!r}",
+            )
+        if envelope.model is not None and not any(w.model == envelope.model for w in workers):
+            served = ", ".join(sorted({w.model for w in workers if w.model})) or "none reported"
+            raise MeshError(
+                ErrorCode.NOT_FOUND,
+                f"model {envelope.model!r} is not served here; served: {served}",
+            )
+        if routing.worker is not None:
+            pinned = directory.workers.get(routing.worker)
+            if pinned is None:
+                raise MeshError(ErrorCode.NO_WORKER, f"worker {routing.worker!r} is not known")
+            workers = [pinned]
+        eligible = [
+            w
+            for w in workers
+            if w.serves(envelope.format) and (envelope.model is None or w.model == envelope.model)
+        ]
+        if not eligible:
+            wanted = [f"format {envelope.format!r}"]
+            if envelope.model is not None:
+                wanted.append(f"model {envelope.model!r}")
+            raise MeshError(
+                ErrorCode.NO_WORKER,
+                f"none of the {len(workers)} known workers is eligible ({', '.join(wanted)})",
+            )
+        free = [w for w in eligible if not w.full]
+        if not free:
+            raise MeshError(
+                ErrorCode.OVERLOADED, f"all {len(eligible)} eligible workers are at capacity"
+            )
+        # Excluded workers are a last resort, not banned: a worker that failed a request may
+        # have failed for a passing reason (a NATS reconnect, an engine restart), discovery
+        # drops the dead ones, and the migration limit bounds the retries.
+        if routing.exclude:
+            excluded = set(routing.exclude)
+            free = [w for w in free if w.id not in excluded] or free
+        worker = self.policy.choose(free)
+        directory.note_sent(worker)
+        return Decision(worker, free)

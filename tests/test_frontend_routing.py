@@ -1,0 +1,168 @@
+"""Routing in the frontend (`--routing frontend`, the default) over a real mesh: no router
+needed, the policy honoured, a killed worker still migrated from, the refusals a router
+would send, and `--routing routers` still going through a router.
+
+The choice itself is unit-tested in tests/unit/test_routing.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from genmesh.services.router.service import Router
+from tests.conftest import unique_namespace
+from tests.http_util import post
+from tests.inproc import AnyMesh, InProcessMesh
+from tests.mesh import Mesh, wait_until
+
+pytestmark = pytest.mark.inproc
+
+BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+
+
+@pytest.fixture
+def own_mesh(nats_url: str) -> Iterator[InProcessMesh]:
+    mesh = InProcessMesh(nats_url, unique_namespace("froute"))
+    yield mesh
+    mesh.stop()
+
+
+def admitted(mesh: AnyMesh) -> dict[str, int]:
+    return {w["id"]: w["stats"]["admitted"] for w in mesh.server_info()["genmesh"]["workers"]}
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+async def health(mesh: AnyMesh) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.get(mesh.http_url + "/health") as r:
+        return r.status, await r.text()
+
+
+async def test_no_router_needed_and_the_policy_is_honoured(own_mesh: InProcessMesh) -> None:
+    own_mesh.add_frontend("--router-policy", "round_robin")
+    assert (await health(own_mesh))[0] == 503  # no worker yet
+    workers = [own_mesh.add_worker().name for _ in range(2)]
+    assert await health(own_mesh) == (200, "")
+    for _ in range(10):
+        reply = await post(own_mesh.http_url + "/generate", BODY)
+        assert reply.status == 200, reply.body
+    await asyncio.to_thread(
+        wait_until, lambda: sum(admitted(own_mesh).values()) == 10, 5.0, 0.02, "10 admitted"
+    )
+    # Round robin over the sorted workers, in this frontend: exactly alternating.
+    assert admitted(own_mesh) == dict.fromkeys(workers, 5)
+
+
+async def test_refusals_are_the_routers_own(own_mesh: InProcessMesh) -> None:
+    """The same request, routed by the frontend and by a router, gets the same answer."""
+    own_mesh.add_router()
+    own_mesh.add_worker(speedup=0.2, max_concurrency=1)
+    routed_here = own_mesh.add_frontend(name="frontend-routes").value.port
+    via_router = own_mesh.add_frontend("--routing", "routers", name="frontend-routers").value.port
+    urls = [f"http://127.0.0.1:{port}" for port in (routed_here, via_router)]
+    await asyncio.to_thread(
+        wait_until, lambda: all(ready(url) for url in urls), 5.0, 0.02, "both ready"
+    )
+
+    unknown = {"model": "no-such-model", "token_ids": [1, 2], "sampling_params": {}}
+    json_type = {"Content-Type": "application/json"}
+    a, b = [await post(url + "/inference/v1/generate", unknown, headers=json_type) for url in urls]
+    assert a.status == b.status == 404
+    assert a.body == b.body
+    assert "`no-such-model` does not exist" in json.dumps(a.body)
+
+    # The one slot taken for a few seconds: every attempt of both meets a full mesh.
+    slow = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    busy = asyncio.create_task(post(urls[0] + "/generate", slow))
+    await asyncio.to_thread(
+        wait_until, lambda: sum(admitted(own_mesh).values()) == 1, 5.0, 0.02, "the slot taken"
+    )
+    a, b = await asyncio.gather(*(post(url + "/generate", BODY) for url in urls))
+    assert not busy.done(), "the slot was freed too early for this test"
+    assert a.status == b.status == 503
+    assert a.body == b.body
+    assert a.headers["Retry-After"] == b.headers["Retry-After"] == "1"
+    assert "at capacity" in a.body["message"]
+    busy.cancel()
+
+
+async def test_routing_routers_still_goes_through_a_router(own_mesh: InProcessMesh) -> None:
+    own_mesh.add_worker()
+    own_mesh.add_frontend("--routing", "routers")
+    status, text = await health(own_mesh)
+    assert status == 503
+    assert "no router" in text
+    router = own_mesh.add_router()
+    await asyncio.to_thread(
+        wait_until, lambda: own_mesh._http_ok("/health"), 5.0, 0.05, "health with a router"
+    )
+    for _ in range(3):
+        assert (await post(own_mesh.http_url + "/generate", BODY)).status == 200
+    routed: Router = router.value
+    assert sum(routed.decisions.values()) == 3
+
+
+def busy_worker(mesh: Mesh) -> str:
+    """The worker whose card says it runs a request."""
+    found: list[str] = []
+
+    def running() -> bool:
+        cards = mesh.server_info()["genmesh"]["workers"]
+        found[:] = [c["id"] for c in cards if c["inflight"]]
+        return bool(found)
+
+    wait_until(running, 5.0, 0.01, "a busy worker")
+    return found[0]
+
+
+@pytest.mark.chaos
+async def test_a_killed_worker_is_migrated_from_without_a_router(
+    nats_url: str, tmp_path: Path
+) -> None:
+    mesh = Mesh(nats_url, tmp_path, unique_namespace("froutek"))
+    try:
+        frontend = mesh.add_frontend()
+        workers = {w.name: w for w in (mesh.add_worker(speedup=0.5) for _ in range(2))}
+        body: dict[str, Any] = {
+            "input_ids": [5, 6, 7],
+            "sampling_params": {"max_new_tokens": 40, "ignore_eos": True},
+            "stream": True,
+        }
+        tokens: list[int] = []
+        killed: list[str] = []
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(mesh.http_url + "/generate", json=body) as r,
+        ):
+            assert r.status == 200
+            async for line in r.content:
+                text = line.decode().strip()
+                if not text.startswith("data: {"):
+                    continue
+                tokens.extend(json.loads(text[6:])["output_ids"])
+                if len(tokens) >= 3 and not killed:
+                    victim = await asyncio.to_thread(busy_worker, mesh)
+                    workers[victim].kill()
+                    killed.append(victim)
+        assert killed
+        assert len(tokens) == 40
+        assert "attempt 2 after" in frontend.log()
+    except BaseException:
+        print(mesh.logs())
+        raise
+    finally:
+        mesh.stop()
