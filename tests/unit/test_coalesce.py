@@ -75,7 +75,8 @@ def test_merged_is_the_concatenation(outs: list[EngineOutput]) -> None:
         assert getattr(merged, name) == ([] if name == "tokens" and expected is None else expected)
     for name in ("prompt_logprobs", "prompt_ranks", "cached_tokens"):
         assert getattr(merged, name) == getattr(outs[0], name)  # once, from the first
-    assert merged.finish == outs[-1].finish and merged.usage == outs[-1].usage
+    assert merged.finish == outs[-1].finish
+    assert merged.usage == outs[-1].usage
     newest: dict[str, Any] = {}
     for out in outs:
         newest |= out.engine or {}
@@ -162,14 +163,15 @@ async def test_cancel_while_the_engine_waits_reaches_the_engine() -> None:
     seen: list[list[int]] = []
 
     async def consume() -> None:
-        async with contextlib.aclosing(engine([[1, 2], [3]], log=log, block=-1)) as gen:
-            async with contextlib.aclosing(coalesce(gen)) as merged:
-                async for out in merged:
-                    seen.append(out.tokens)
+        gen = engine([[1, 2], [3]], log=log, block=-1)
+        async with contextlib.aclosing(gen), contextlib.aclosing(coalesce(gen)) as merged:
+            async for out in merged:
+                seen.append(out.tokens)
 
     task = asyncio.create_task(consume())
     await asyncio.sleep(0.01)
-    assert seen == [[1, 2]] and log == []
+    assert seen == [[1, 2]]
+    assert log == []
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -179,11 +181,11 @@ async def test_cancel_while_the_engine_waits_reaches_the_engine() -> None:
 async def test_closing_while_a_step_is_half_done_closes_the_engine() -> None:
     """The consumer stops at the frame sent while the engine was about to block."""
     log: list[str] = []
-    async with contextlib.aclosing(engine([[1, 2], [3]], log=log, block=-1)) as gen:
-        async with contextlib.aclosing(coalesce(gen)) as merged:
-            async for out in merged:
-                assert out.tokens == [1, 2]
-                break
+    gen = engine([[1, 2], [3]], log=log, block=-1)
+    async with contextlib.aclosing(gen), contextlib.aclosing(coalesce(gen)) as merged:
+        async for out in merged:
+            assert out.tokens == [1, 2]
+            break
     assert log == ["closed"]
 
 
@@ -195,8 +197,12 @@ async def test_engine_errors_pass_through_after_what_came_before() -> None:
         raise RuntimeError("boom")
 
     seen: list[list[int]] = []
-    with pytest.raises(RuntimeError, match="boom"):
+
+    async def consume() -> None:
         async with contextlib.aclosing(coalesce(failing())) as merged:
             async for out in merged:
                 seen.append(out.tokens)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        await consume()
     assert seen == [[1], [2]]  # what was pending when the engine failed still goes

@@ -167,10 +167,7 @@ class _Rest:
     def __await__(self) -> Generator[Any, Any, EngineOutput]:
         step = self.step
         try:
-            if self.throw is not None:
-                value = step.throw(self.throw)
-            else:
-                value = self.blocked_on
+            value = self.blocked_on if self.throw is None else step.throw(self.throw)
             while True:
                 try:
                     sent = yield value

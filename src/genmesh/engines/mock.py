@@ -31,6 +31,8 @@ from genmesh.shared.settings import non_negative_float, option, positive_int
 _MASK = (1 << 64) - 1
 # The most top-logprob alternatives the mock reports per position (vLLM's default cap).
 MAX_TOP_LOGPROBS = 20
+# Tokens the instant mock (speed-up 0) makes per scheduling point, as one output.
+MOCK_CHUNK_TOKENS = 32
 _GUIDED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "structured_outputs")
 
 
@@ -431,14 +433,21 @@ class MockEngine:
             ignore_eos = env.sampling.ignore_eos
             banned = stops if ignore_eos else stops | {eos}
             min_tokens = env.sampling.min_tokens
-            pending: EngineOutput | None = first
+            # The output in the making: `first`, then one per chunk. At speed-up 0 the
+            # mock produces MOCK_CHUNK_TOKENS tokens per scheduling point and yields them
+            # as one output (a loop round trip per token would dominate its cost); the
+            # first token goes alone, as after a prefill. Otherwise one token per step.
+            chunk = MOCK_CHUNK_TOKENS if self.config.speedup == 0 else 1
+            out = first
             for n in range(budget):
-                if n:
+                if n and (n - 1) % chunk == 0:
+                    if out.tokens:
+                        yield out
+                        out = EngineOutput(tokens=[])
                     kv_fraction = self._active_kv_tokens / self.config.kv_capacity_tokens
                     await self._sleep_ms(decode_step_ms(kv_fraction))
                 if aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
-                    out = pending or EngineOutput(tokens=[])
                     out.finish = {"reason": "abort", "message": "Aborted"}
                     out.usage = usage(len(prompt), n, cached)
                     yield out
@@ -457,21 +466,34 @@ class MockEngine:
                         ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
                     )
                 shown = step if biased_logprobs else None
-                out = pending or EngineOutput(tokens=[])
-                pending = None
-                out.tokens = [token]
+                if not out.tokens:
+                    # The chunk's first token: its per-token lists start here.
+                    lps: list[float] = []
+                    ranks: list[int] = []
+                    tops: list[TopLogprobs] = []
+                    listed_rows: list[TopLogprobs] = []
+                    expert_rows: list[list[int]] = out.routed_experts or []
+                    if want_lp:
+                        out.logprobs, out.ranks = lps, ranks
+                    if k:
+                        out.top_logprobs = tops
+                    if listed:
+                        out.token_ids_logprobs = listed_rows
+                    if experts_from is not None:
+                        out.routed_experts = expert_rows
+                out.tokens.append(token)
                 if want_lp:
                     if shown is not None and bias is not None:
                         logprob = shown.logprob(logprob + bias.get(token, 0.0))
-                    out.logprobs = [logprob]
-                    out.ranks = [model.score(state, token)[1]]
+                    lps.append(logprob)
+                    ranks.append(model.score(state, token)[1])
                 if k:
-                    out.top_logprobs = [shown.top(k) if shown else model.top(state, k)]
+                    tops.append(shown.top(k) if shown else model.top(state, k))
                 if listed:
-                    out.token_ids_logprobs = [listed_at(state, shown)]
+                    listed_rows.append(listed_at(state, shown))
                 if experts_from is not None and n:
                     # The previous token's forward pass; the last token never gets one.
-                    out.routed_experts = [self.experts.row(state)]
+                    expert_rows.append(self.experts.row(state))
                 state = advance(state, token)
                 output.append(token)
                 self._active_kv_tokens += 1
@@ -488,7 +510,6 @@ class MockEngine:
                     out.usage = usage(len(prompt), n + 1, cached)
                     yield out
                     return
-                yield out
         finally:
             self._active_kv_tokens -= kv
             if self._running.get(env.id) is aborted:
