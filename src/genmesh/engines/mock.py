@@ -301,13 +301,13 @@ class MockEngine:
                 f"The input ({prompt_len} tokens) is longer than the model's context length "
                 f"({c.max_model_len} tokens).",
             )
-        for i, tid in enumerate(env.token_ids):
-            if tid >= c.vocab_size:
-                raise MeshError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    f"token id {tid} at position {i} is outside the vocabulary "
-                    f"(size {c.vocab_size})",
-                )
+        # max() in C first: a Python loop over a 32k prompt costs milliseconds.
+        if env.token_ids and max(env.token_ids) >= c.vocab_size:
+            i, tid = next((i, t) for i, t in enumerate(env.token_ids) if t >= c.vocab_size)
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"token id {tid} at position {i} is outside the vocabulary (size {c.vocab_size})",
+            )
         native_sampling = env.engine.get("sampling_params")
         if isinstance(native_sampling, dict):
             for key in _GUIDED_KEYS:
