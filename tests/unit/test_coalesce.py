@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from genmesh.engines import coalesce as coalesce_module
 from genmesh.engines.base import EngineOutput
-from genmesh.engines.coalesce import coalesce, merge, mergeable
+from genmesh.engines.coalesce import coalesce, merge, mergeable, split
 
 pytestmark = pytest.mark.unit
 
@@ -83,6 +83,21 @@ def test_merged_is_the_concatenation(outs: list[EngineOutput]) -> None:
     assert (merged.engine or {}) == newest
     # The inputs are untouched: an engine may still hold them.
     assert all(o.tokens is not merged.tokens for o in outs[1:])
+
+
+@given(streams(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_split_is_the_inverse_of_merge(outs: list[EngineOutput], data: st.DataObject) -> None:
+    merged = outs[0]
+    for out in outs[1:]:
+        merged = merge(merged, out)
+    if len(merged.tokens) < 2:
+        return
+    k = data.draw(st.integers(1, len(merged.tokens) - 1))
+    head, tail = split(merged, k)
+    assert len(head.tokens) == k
+    assert head.finish is None
+    assert merge(head, tail) == merged
 
 
 def test_what_cannot_merge_exactly_is_refused() -> None:

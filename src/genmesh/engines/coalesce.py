@@ -78,6 +78,41 @@ def merge(a: EngineOutput, b: EngineOutput) -> EngineOutput:
     )
 
 
+def split(out: EngineOutput, k: int) -> tuple[EngineOutput, EngineOutput]:
+    """`out` as its first `k` tokens and the rest (0 < k < len(out.tokens)), the inverse of
+    `merge`: the head has the once-only fields, the tail the finish, usage and extras. The
+    routed-expert rows at the end of an output are its last tokens' (one per token, for the
+    token before it), so the tail takes as many rows as it has tokens, where there are."""
+    rest = len(out.tokens) - k
+    rows = out.routed_experts
+    cut = max(len(rows) - rest, 0) if rows is not None else 0
+    head = EngineOutput(
+        tokens=out.tokens[:k],
+        logprobs=None if out.logprobs is None else out.logprobs[:k],
+        ranks=None if out.ranks is None else out.ranks[:k],
+        top_logprobs=None if out.top_logprobs is None else out.top_logprobs[:k],
+        prompt_logprobs=out.prompt_logprobs,
+        prompt_ranks=out.prompt_ranks,
+        prompt_top_logprobs=out.prompt_top_logprobs,
+        token_ids_logprobs=None if out.token_ids_logprobs is None else out.token_ids_logprobs[:k],
+        prompt_token_ids_logprobs=out.prompt_token_ids_logprobs,
+        routed_experts=None if rows is None else rows[:cut],
+        cached_tokens=out.cached_tokens,
+    )
+    tail = EngineOutput(
+        tokens=out.tokens[k:],
+        logprobs=None if out.logprobs is None else out.logprobs[k:],
+        ranks=None if out.ranks is None else out.ranks[k:],
+        top_logprobs=None if out.top_logprobs is None else out.top_logprobs[k:],
+        token_ids_logprobs=None if out.token_ids_logprobs is None else out.token_ids_logprobs[k:],
+        routed_experts=None if rows is None else rows[cut:],
+        finish=out.finish,
+        usage=out.usage,
+        engine=out.engine,
+    )
+    return head, tail
+
+
 def _cat(a: list[T] | None, b: list[T] | None) -> list[T] | None:
     if a is None:
         return b
