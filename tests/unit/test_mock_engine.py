@@ -379,7 +379,7 @@ def test_min_tokens_has_no_effect_when_nothing_is_banned() -> None:
         run(request([1, 2, 3], max_tokens=40, seed=0, ignore_eos=True, min_tokens=40), TINY)
     )
     assert held == plain
-    assert 7 in held[:10]  # EOS is not masked under ignore_eos
+    assert 7 in held[:20]  # EOS is not masked under ignore_eos
 
 
 def test_masked_position_takes_the_best_allowed_candidate() -> None:

@@ -1,10 +1,10 @@
 """A deterministic, GPU-free engine.
 
-The next token is a pure function of (seed, every token so far), computed with a rolling
-64-bit hash, so any worker continues any sequence exactly as another would: the property
-mid-stream migration relies on. The mock decodes greedily: the sampled token is the top
-candidate unless min-tokens masking forbids it. Logprobs are derived from the same hash,
-so they too are identical everywhere.
+The next token is a pure function of (seed, every token so far), computed with chained
+checksums (CRC-32 and Adler-32, in C), so any worker continues any sequence exactly as
+another would: the property mid-stream migration relies on. The mock decodes greedily: the
+sampled token is the top candidate unless min-tokens masking forbids it. Logprobs are
+derived from the same state, so they too are identical everywhere.
 
 Timing follows Dynamo's mocker polynomials (reference `dynamo-generate.md` §14), divided
 by a speed-up factor; speed-up 0 means an instant engine.
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
+import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +46,29 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+# A sequence's state is (CRC-32 << 32 | Adler-32) of its bytes: the seed as 8 bytes, then
+# each token as 4, little-endian. Both checksums chain (zlib continues from a previous
+# value), so the state is a pure function of the whole sequence however it is split between
+# prompt and output, and a prompt of any length is one call in C rather than a Python step
+# per token. The models scramble the state (`_mix`) before reading bits from it.
+_M32 = 0xFFFFFFFF
+
+
+def _chain(state: int, data: bytes) -> int:
+    return zlib.crc32(data, state >> 32) << 32 | zlib.adler32(data, state & _M32)
+
+
 def initial_state(seed: int) -> int:
-    return _mix((seed & _MASK) ^ 0x6A09E667F3BCC909)
+    return _chain(0 << 32 | 1, (seed & _MASK).to_bytes(8, "little"))
 
 
 def advance(state: int, token: int) -> int:
-    return _mix(state ^ token)
+    return _chain(state, token.to_bytes(4, "little"))
+
+
+def advance_all(state: int, tokens: list[int]) -> int:
+    """`advance` over every token of `tokens`, in one pass in C."""
+    return _chain(state, struct.pack(f"<{len(tokens)}I", *tokens)) if tokens else state
 
 
 def prefill_ms(new_tokens: int) -> float:
@@ -68,13 +87,16 @@ class TokenModel:
 
     vocab_size: int
 
+    def greedy_token(self, state: int) -> int:
+        return _mix(state) % self.vocab_size
+
     def greedy_logprob(self, state: int) -> float:
-        return round(-0.001 - ((state >> 17) % 3000) / 1000.0, 6)
+        return round(-0.001 - ((_mix(state) >> 17) % 3000) / 1000.0, 6)
 
     def top(self, state: int, k: int) -> TopLogprobs:
         """The k best candidates, best first; the first is the greedy token."""
         best = self.greedy_logprob(state)
-        out: TopLogprobs = [(state % self.vocab_size, best)]
+        out: TopLogprobs = [(self.greedy_token(state), best)]
         seen = {out[0][0]}
         j = 0
         while len(out) < min(k, self.vocab_size):
@@ -90,7 +112,7 @@ class TokenModel:
 
     def score(self, state: int, token: int) -> tuple[float, int]:
         """`token`'s logprob and 1-based rank at `state`, consistent with `top`."""
-        if token == state % self.vocab_size:
+        if token == self.greedy_token(state):
             return self.greedy_logprob(state), 1
         for rank, (tid, lp) in enumerate(self.top(state, MAX_TOP_LOGPROBS), start=1):
             if tid == token:
@@ -393,7 +415,13 @@ class MockEngine:
         prompt_tops: list[TopLogprobs | None] = []
         prompt_listed: list[TopLogprobs | None] = []
         rows: list[list[int]] = []
-        for i, tid in enumerate(prompt):
+        # Only positions whose logprobs or routing rows are asked for are walked in Python.
+        walk_from = min(
+            len(prompt) if start is None else start,
+            len(prompt) if experts_from is None else experts_from,
+        )
+        state = advance_all(state, prompt[:walk_from])
+        for i, tid in enumerate(prompt[walk_from:], start=walk_from):
             if start is not None and i >= start:
                 # SGLang's shift: the first requested position has no logprob.
                 lp, rank = (None, None) if i == start else model.score(state, tid)
