@@ -125,16 +125,17 @@ async def test_sse_is_incremental_and_folds_to_the_unary_body(mesh: AnyMesh) -> 
     events = sse.events
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert [len(c["output_ids"]) for c in chunks] == [1] * 6  # deltas, one token each
-    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 6]
+    # Deltas, one per frame: the instant mock sends the first token alone, then the rest.
+    assert [len(c["output_ids"]) for c in chunks] == [1, 5]
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 6]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     assert all("e2e_latency" not in c["meta_info"] for c in chunks[:-1])
     assert "e2e_latency" in chunks[-1]["meta_info"]
     for c in chunks:
         meta = c["meta_info"]
-        assert len(meta["output_token_logprobs"]) == len(c["output_ids"]) == 1
-        assert meta["output_token_logprobs"][0][1] == c["output_ids"][0]
+        assert len(meta["output_token_logprobs"]) == len(c["output_ids"])
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == c["output_ids"]
         assert meta["input_token_logprobs"] == [[None, 23, None]]  # repeated on every chunk
     unary = await post(mesh.http_url + "/generate", body)
     assert unary.status == 200

@@ -125,8 +125,8 @@ SGLANG_BODY: dict[str, Any] = {
     "sampling_params": {"max_new_tokens": 6, "temperature": 0},
 }
 SGLANG_EOS_BODY: dict[str, Any] = {
-    # the mock (vocab 1000, EOS 7) reaches EOS after 177 tokens on this prompt: "stop"
-    "input_ids": [3, 1, 4, 1, 5],
+    # the mock (vocab 1000, EOS 7) reaches EOS after 89 tokens on this prompt: "stop"
+    "input_ids": [2, 7, 1, 8, 2],
     "sampling_params": {"max_new_tokens": 400, "temperature": 0},
 }
 VLLM_BODY: dict[str, Any] = {

@@ -15,6 +15,7 @@ from genmesh.client import request
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.mock import (
     MAX_TOP_LOGPROBS,
+    MOCK_CHUNK_TOKENS,
     MockConfig,
     MockEngine,
     decode_step_ms,
@@ -133,19 +134,36 @@ def test_seed_and_prompt_change_the_output() -> None:
     )
 
 
-def test_one_token_per_output_finish_only_on_last() -> None:
-    outs = run(request([1, 2, 3], max_tokens=7, logprobs=True, top_logprobs=2))
-    assert [len(o.tokens) for o in outs] == [1] * 7
-    assert [o.finish for o in outs[:-1]] == [None] * 6
+@pytest.mark.parametrize(
+    ("speedup", "sizes"),
+    [
+        # A timed mock: one token per decode step, one output each.
+        (1e6, [1] * 40),
+        # The instant mock: the first token alone, then MOCK_CHUNK_TOKENS per output.
+        (0.0, [1, MOCK_CHUNK_TOKENS, 40 - 1 - MOCK_CHUNK_TOKENS]),
+    ],
+)
+def test_outputs_chunk_only_when_instant_finish_only_on_last(
+    speedup: float, sizes: list[int]
+) -> None:
+    config = MockConfig(speedup=speedup)
+    outs = run(request([1, 2, 3], max_tokens=40, logprobs=True, top_logprobs=2), config)
+    assert [len(o.tokens) for o in outs] == sizes
+    assert [o.finish for o in outs[:-1]] == [None] * (len(sizes) - 1)
     assert outs[-1].finish == {"reason": "length"}
-    assert outs[-1].usage == {"prompt_tokens": 3, "completion_tokens": 7, "cached_tokens": 0}
+    assert outs[-1].usage == {"prompt_tokens": 3, "completion_tokens": 40, "cached_tokens": 0}
     assert all(o.usage is None for o in outs[:-1])
     assert outs[0].cached_tokens == 0
     for o in outs:
         assert o.logprobs is not None
-        assert len(o.logprobs) == 1
+        assert len(o.logprobs) == len(o.tokens)
         assert o.top_logprobs is not None
-        assert len(o.top_logprobs) == 1
+        assert len(o.top_logprobs) == len(o.tokens)
+    # Chunking changes how the outputs are cut, never what they say.
+    slow = run(request([1, 2, 3], max_tokens=40, logprobs=True, top_logprobs=2))
+    assert tokens_of(outs) == tokens_of(slow)
+    assert logprobs_of(outs) == logprobs_of(slow)
+    assert tops_of(outs) == tops_of(slow)
 
 
 # ---------------------------------------------------------------- continuation
@@ -361,7 +379,7 @@ def test_min_tokens_has_no_effect_when_nothing_is_banned() -> None:
         run(request([1, 2, 3], max_tokens=40, seed=0, ignore_eos=True, min_tokens=40), TINY)
     )
     assert held == plain
-    assert 7 in held[:10]  # EOS is not masked under ignore_eos
+    assert 7 in held[:20]  # EOS is not masked under ignore_eos
 
 
 def test_masked_position_takes_the_best_allowed_candidate() -> None:
@@ -382,18 +400,14 @@ def test_masked_position_takes_the_best_allowed_candidate() -> None:
     )
     assert outs[-1].finish == {"reason": "length"}
     masked = 0
-    for out in outs:
-        token = out.tokens[0]
-        assert out.logprobs is not None
-        assert out.top_logprobs is not None
-        top = out.top_logprobs[0]
+    for token, logprob, top in zip(tokens_of(outs), logprobs_of(outs), tops_of(outs), strict=True):
         ids = [t for t, _ in top]
         assert token not in banned
         position = ids.index(token)
         # everything ranked above the sampled token is banned
         assert all(t in banned for t in ids[:position])
         masked += position > 0
-        assert out.logprobs[0] == top[position][1]
+        assert logprob == top[position][1]
     assert masked > 0  # the mask actually did something in this run
 
 
@@ -539,7 +553,9 @@ def test_top_lists_sorted_distinct_and_nested(prompt: list[int], seed: int | Non
     three, five = gen(3), gen(5)
     assert tokens_of(three) == tokens_of(five)
     assert logprobs_of(three) == logprobs_of(five)
-    for out, top3, top5 in zip(five, tops_of(three), tops_of(five), strict=True):
+    for token, logprob, top3, top5 in zip(
+        tokens_of(five), logprobs_of(five), tops_of(three), tops_of(five), strict=True
+    ):
         assert len(top3) == 3
         assert len(top5) == 5
         assert top5[:3] == top3
@@ -550,8 +566,7 @@ def test_top_lists_sorted_distinct_and_nested(prompt: list[int], seed: int | Non
         assert len(set(lps)) == 5  # strictly better first
         assert all(lp < 0 and math.isfinite(lp) for lp in lps)
         # greedy: the sampled token is the best candidate, with the same logprob
-        assert out.logprobs is not None
-        assert (out.tokens[0], out.logprobs[0]) == top5[0]
+        assert (token, logprob) == top5[0]
 
 
 def test_top_list_is_capped_by_vocab() -> None:
@@ -629,7 +644,7 @@ async def test_speedup_one_takes_real_time() -> None:
 
 
 async def test_kv_accounting_returns_to_zero() -> None:
-    engine = MockEngine()
+    engine = MockEngine(MockConfig(speedup=1e6))  # one output per token, to watch each
     seen: list[int] = []
     async for _ in engine.generate(request([1, 2, 3], max_tokens=4)):
         seen.append(engine._active_kv_tokens)

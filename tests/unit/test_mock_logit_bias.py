@@ -38,7 +38,16 @@ def run(env: Envelope) -> list[EngineOutput]:
 
 
 def tokens(outs: list[EngineOutput]) -> list[int]:
-    return [o.tokens[0] for o in outs]
+    return [t for o in outs for t in o.tokens]
+
+
+def per_token(outs: list[EngineOutput]) -> list[tuple[Any, ...]]:
+    """(token, logprob, top logprobs) of each token, however the outputs are cut."""
+    return [
+        row
+        for o in outs
+        for row in zip(o.tokens, o.logprobs or [], o.top_logprobs or [], strict=True)
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
@@ -161,6 +170,4 @@ def test_a_continuation_under_bias_gives_the_rest(fmt: str, k: int) -> None:
     rest_env = envelope(fmt, bias, tokens=6 - k)
     rest_env.token_ids = PROMPT + tokens(full)[:k]
     rest = run(rest_env)
-    assert [(o.tokens, o.logprobs, o.top_logprobs) for o in rest] == [
-        (o.tokens, o.logprobs, o.top_logprobs) for o in full[k:]
-    ]
+    assert per_token(rest) == per_token(full)[k:]

@@ -826,25 +826,32 @@ def test_a_generated_public_id_is_a_uuid4_hex(fmt: Any) -> None:
 VOCAB, EOS = 1000, 7
 
 
-async def _frames(env: Envelope) -> list[frames.Frame]:
-    engine = MockEngine(MockConfig(vocab_size=VOCAB, eos_token_id=EOS))
+async def _frames(env: Envelope, speedup: float) -> list[frames.Frame]:
+    engine = MockEngine(MockConfig(vocab_size=VOCAB, eos_token_id=EOS, speedup=speedup))
     return [output_frame("p", out) async for out in engine.generate(env)]
 
 
-def run(bound: Bound, public_id: str = "pub") -> tuple[VllmExchange, list[list[frames.Frame]]]:
+# A timed mock (one frame per token, as a real engine's decode steps give them) unless a
+# test asks for the instant one, whose frames carry up to MOCK_CHUNK_TOKENS tokens.
+TIMED = 1e6
+
+
+def run(
+    bound: Bound, public_id: str = "pub", speedup: float = TIMED
+) -> tuple[VllmExchange, list[list[frames.Frame]]]:
     for env in bound.items:
         env.id = "p" * 32
     exchange = FORMAT.exchange(bound, public_id, 0.0)
     assert isinstance(exchange, VllmExchange)
 
     async def collect() -> list[list[frames.Frame]]:
-        return [await _frames(env) for env in bound.items]
+        return [await _frames(env, speedup) for env in bound.items]
 
     return exchange, asyncio.run(collect())
 
 
-def unary(bound: Bound, public_id: str = "pub") -> dict[str, Any]:
-    exchange, per_item = run(bound, public_id)
+def unary(bound: Bound, public_id: str = "pub", speedup: float = TIMED) -> dict[str, Any]:
+    exchange, per_item = run(bound, public_id, speedup)
     mergers = [Merger(FORMAT.merge_rules, FORMAT.joiners) for _ in per_item]
     for index, item_frames in enumerate(per_item):
         for frame in item_frames:
@@ -854,8 +861,8 @@ def unary(bound: Bound, public_id: str = "pub") -> dict[str, Any]:
     return dict(body)
 
 
-def sse(bound: Bound, public_id: str = "pub") -> list[dict[str, Any]]:
-    exchange, per_item = run(bound, public_id)
+def sse(bound: Bound, public_id: str = "pub", speedup: float = TIMED) -> list[dict[str, Any]]:
+    exchange, per_item = run(bound, public_id, speedup)
     chunks: list[dict[str, Any]] = []
     for index, item_frames in enumerate(per_item):
         for frame in item_frames:
@@ -1057,6 +1064,27 @@ def test_sse_chunks() -> None:
     assert [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]] == body["choices"][
         0
     ]["logprobs"]["content"]
+
+
+def test_sse_of_multi_token_frames_says_what_one_token_frames_say() -> None:
+    """The instant mock's frames carry many tokens (so do coalesced ones): the chunks are
+    fewer, their concatenation and the unary body the same."""
+    params = sp(max_tokens=70, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    coalesced, timed = sse(params, "abc", speedup=0.0), sse(params, "abc")
+    assert len(coalesced) < len(timed)
+
+    def joined(chunks: list[dict[str, Any]], key: str) -> list[Any]:
+        out: list[Any] = []
+        for chunk in chunks:
+            value = chunk["choices"][0][key]
+            out += value["content"] if key == "logprobs" else value
+        return out
+
+    for key in ("token_ids", "logprobs"):
+        assert joined(coalesced, key) == joined(timed, key)
+    assert coalesced[0]["prompt_logprobs"] == timed[0]["prompt_logprobs"]
+    assert coalesced[-1]["choices"][0]["finish_reason"] == "length"
+    assert unary(params, "abc", speedup=0.0) == unary(params, "abc")
 
 
 def test_sse_carries_prompt_logprobs_once() -> None:

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncGenerator
 
 from genmesh.engines.base import Engine, EngineOutput
+from genmesh.engines.coalesce import coalesce
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -63,7 +64,8 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.OutputFrame:
 async def execute(
     engine: Engine, envelope: Envelope
 ) -> AsyncGenerator[frames.OutputFrame | frames.ErrFrame, None]:
-    """The frames after the `ack`: `out` frames, then exactly one `end` or `err`.
+    """The frames after the `ack`: `out` frames, then exactly one `end` or `err`. An
+    `out` (or the `end`) carries every output the engine had ready at once.
 
     Engine failures become `err` frames; only cancellation (CancelledError) escapes, and
     the caller decides what the client is told. Frames carry no `seq`: the sender numbers
@@ -73,8 +75,13 @@ async def execute(
     try:
         # aclosing: a cancel that lands while we wait on the consumer still closes the
         # engine's generator at once, so an HTTP engine aborts its request now, not at GC.
-        async with contextlib.aclosing(engine.generate(envelope)) as outputs:
-            async for out in outputs:
+        # Outputs the engine has ready at once go as one frame (engines/coalesce.py).
+        # The coalescer is closed first: it may hold a step of the engine's generator.
+        async with (
+            contextlib.aclosing(engine.generate(envelope)) as outputs,
+            contextlib.aclosing(coalesce(outputs)) as merged,
+        ):
+            async for out in merged:
                 yield output_frame(rid, out)
                 if out.finish is not None:
                     return

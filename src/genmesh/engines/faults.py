@@ -11,6 +11,7 @@ scenario list runs against every engine adapter alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from genmesh.engines.base import Engine, EngineOutput, usage
+from genmesh.engines.coalesce import split
 from genmesh.engines.http import incomplete, unavailable
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -161,28 +163,46 @@ class FaultyEngine:
                     raise MeshError(ErrorCode.INVALID_ARGUMENT, fault.message)
                 raise unavailable(f"engine answered HTTP {fault.status}: {fault.message}")
             delivered = 0
-            async for out in self.inner.generate(envelope):
-                if fault is not None and delivered >= fault.after_tokens:
-                    if fault.kind == "abort" and not fault.status and delivered:
-                        # A plain abort on decode: the engine stopped the request.
-                        out.tokens, out.finish = [], {"reason": "abort", "message": "Aborted"}
-                        out.usage = usage(len(envelope.token_ids), delivered)
-                    else:
-                        ended = fault.kind != "hang"
-                        await self._fail(fault.kind, fault.status, fault.message)
-                if self.state.token_delay_s:
-                    await asyncio.sleep(self.state.token_delay_s)
-                delivered += len(out.tokens)
-                if out.finish is not None:
-                    ended = True
-                    completed = out.finish.get("reason") != "abort"
-                yield out
-                if out.finish is not None:
-                    return
+            # Closed with this generator, so the inner engine stops at once too.
+            outputs = self._per_token(self.inner.generate(envelope), fault)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    if fault is not None and delivered >= fault.after_tokens:
+                        if fault.kind == "abort" and not fault.status and delivered:
+                            # A plain abort on decode: the engine stopped the request.
+                            out.tokens, out.finish = [], {"reason": "abort", "message": "Aborted"}
+                            out.usage = usage(len(envelope.token_ids), delivered)
+                        else:
+                            ended = fault.kind != "hang"
+                            await self._fail(fault.kind, fault.status, fault.message)
+                    if self.state.token_delay_s:
+                        await asyncio.sleep(self.state.token_delay_s)
+                    delivered += len(out.tokens)
+                    if out.finish is not None:
+                        ended = True
+                        completed = out.finish.get("reason") != "abort"
+                    yield out
+                    if out.finish is not None:
+                        return
         finally:
             if not ended:  # cancelled: for an in-process engine, that is the abort
                 self.state.aborted.append(envelope.id)
             self.state.finish(running, completed=completed)
+
+    async def _per_token(
+        self, outputs: AsyncGenerator[EngineOutput, None], fault: Fault | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The inner engine's outputs, one token each while a fault or a token delay is
+        set: both count tokens, and the instant mock sends many per output."""
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if fault is None and not self.state.token_delay_s:
+                    yield out
+                    continue
+                while len(out.tokens) > 1:
+                    head, out = split(out, 1)
+                    yield head
+                yield out
 
     @staticmethod
     async def _fail(kind: str, status: int, message: str) -> None:

@@ -1,10 +1,10 @@
 """A deterministic, GPU-free engine.
 
-The next token is a pure function of (seed, every token so far), computed with a rolling
-64-bit hash, so any worker continues any sequence exactly as another would: the property
-mid-stream migration relies on. The mock decodes greedily: the sampled token is the top
-candidate unless min-tokens masking forbids it. Logprobs are derived from the same hash,
-so they too are identical everywhere.
+The next token is a pure function of (seed, every token so far), computed with chained
+checksums (CRC-32 and Adler-32, in C), so any worker continues any sequence exactly as
+another would: the property mid-stream migration relies on. The mock decodes greedily: the
+sampled token is the top candidate unless min-tokens masking forbids it. Logprobs are
+derived from the same state, so they too are identical everywhere.
 
 Timing follows Dynamo's mocker polynomials (reference `dynamo-generate.md` §14), divided
 by a speed-up factor; speed-up 0 means an instant engine.
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
+import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ from genmesh.shared.settings import non_negative_float, option, positive_int
 _MASK = (1 << 64) - 1
 # The most top-logprob alternatives the mock reports per position (vLLM's default cap).
 MAX_TOP_LOGPROBS = 20
+# Tokens the instant mock (speed-up 0) makes per scheduling point, as one output.
+MOCK_CHUNK_TOKENS = 32
 _GUIDED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "structured_outputs")
 
 
@@ -42,12 +46,29 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+# A sequence's state is (CRC-32 << 32 | Adler-32) of its bytes: the seed as 8 bytes, then
+# each token as 4, little-endian. Both checksums chain (zlib continues from a previous
+# value), so the state is a pure function of the whole sequence however it is split between
+# prompt and output, and a prompt of any length is one call in C rather than a Python step
+# per token. The models scramble the state (`_mix`) before reading bits from it.
+_M32 = 0xFFFFFFFF
+
+
+def _chain(state: int, data: bytes) -> int:
+    return zlib.crc32(data, state >> 32) << 32 | zlib.adler32(data, state & _M32)
+
+
 def initial_state(seed: int) -> int:
-    return _mix((seed & _MASK) ^ 0x6A09E667F3BCC909)
+    return _chain(0 << 32 | 1, (seed & _MASK).to_bytes(8, "little"))
 
 
 def advance(state: int, token: int) -> int:
-    return _mix(state ^ token)
+    return _chain(state, token.to_bytes(4, "little"))
+
+
+def advance_all(state: int, tokens: list[int]) -> int:
+    """`advance` over every token of `tokens`, in one pass in C."""
+    return _chain(state, struct.pack(f"<{len(tokens)}I", *tokens)) if tokens else state
 
 
 def prefill_ms(new_tokens: int) -> float:
@@ -66,13 +87,16 @@ class TokenModel:
 
     vocab_size: int
 
+    def greedy_token(self, state: int) -> int:
+        return _mix(state) % self.vocab_size
+
     def greedy_logprob(self, state: int) -> float:
-        return round(-0.001 - ((state >> 17) % 3000) / 1000.0, 6)
+        return round(-0.001 - ((_mix(state) >> 17) % 3000) / 1000.0, 6)
 
     def top(self, state: int, k: int) -> TopLogprobs:
         """The k best candidates, best first; the first is the greedy token."""
         best = self.greedy_logprob(state)
-        out: TopLogprobs = [(state % self.vocab_size, best)]
+        out: TopLogprobs = [(self.greedy_token(state), best)]
         seen = {out[0][0]}
         j = 0
         while len(out) < min(k, self.vocab_size):
@@ -88,7 +112,7 @@ class TokenModel:
 
     def score(self, state: int, token: int) -> tuple[float, int]:
         """`token`'s logprob and 1-based rank at `state`, consistent with `top`."""
-        if token == state % self.vocab_size:
+        if token == self.greedy_token(state):
             return self.greedy_logprob(state), 1
         for rank, (tid, lp) in enumerate(self.top(state, MAX_TOP_LOGPROBS), start=1):
             if tid == token:
@@ -299,13 +323,13 @@ class MockEngine:
                 f"The input ({prompt_len} tokens) is longer than the model's context length "
                 f"({c.max_model_len} tokens).",
             )
-        for i, tid in enumerate(env.token_ids):
-            if tid >= c.vocab_size:
-                raise MeshError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    f"token id {tid} at position {i} is outside the vocabulary "
-                    f"(size {c.vocab_size})",
-                )
+        # max() in C first: a Python loop over a 32k prompt costs milliseconds.
+        if env.token_ids and max(env.token_ids) >= c.vocab_size:
+            i, tid = next((i, t) for i, t in enumerate(env.token_ids) if t >= c.vocab_size)
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"token id {tid} at position {i} is outside the vocabulary (size {c.vocab_size})",
+            )
         native_sampling = env.engine.get("sampling_params")
         if isinstance(native_sampling, dict):
             for key in _GUIDED_KEYS:
@@ -391,7 +415,13 @@ class MockEngine:
         prompt_tops: list[TopLogprobs | None] = []
         prompt_listed: list[TopLogprobs | None] = []
         rows: list[list[int]] = []
-        for i, tid in enumerate(prompt):
+        # Only positions whose logprobs or routing rows are asked for are walked in Python.
+        walk_from = min(
+            len(prompt) if start is None else start,
+            len(prompt) if experts_from is None else experts_from,
+        )
+        state = advance_all(state, prompt[:walk_from])
+        for i, tid in enumerate(prompt[walk_from:], start=walk_from):
             if start is not None and i >= start:
                 # SGLang's shift: the first requested position has no logprob.
                 lp, rank = (None, None) if i == start else model.score(state, tid)
@@ -431,14 +461,21 @@ class MockEngine:
             ignore_eos = env.sampling.ignore_eos
             banned = stops if ignore_eos else stops | {eos}
             min_tokens = env.sampling.min_tokens
-            pending: EngineOutput | None = first
+            # The output in the making: `first`, then one per chunk. At speed-up 0 the
+            # mock produces MOCK_CHUNK_TOKENS tokens per scheduling point and yields them
+            # as one output (a loop round trip per token would dominate its cost); the
+            # first token goes alone, as after a prefill. Otherwise one token per step.
+            chunk = MOCK_CHUNK_TOKENS if self.config.speedup == 0 else 1
+            out = first
             for n in range(budget):
-                if n:
+                if n and (n - 1) % chunk == 0:
+                    if out.tokens:
+                        yield out
+                        out = EngineOutput(tokens=[])
                     kv_fraction = self._active_kv_tokens / self.config.kv_capacity_tokens
                     await self._sleep_ms(decode_step_ms(kv_fraction))
                 if aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
-                    out = pending or EngineOutput(tokens=[])
                     out.finish = {"reason": "abort", "message": "Aborted"}
                     out.usage = usage(len(prompt), n, cached)
                     yield out
@@ -457,21 +494,34 @@ class MockEngine:
                         ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
                     )
                 shown = step if biased_logprobs else None
-                out = pending or EngineOutput(tokens=[])
-                pending = None
-                out.tokens = [token]
+                if not out.tokens:
+                    # The chunk's first token: its per-token lists start here.
+                    lps: list[float] = []
+                    ranks: list[int] = []
+                    tops: list[TopLogprobs] = []
+                    listed_rows: list[TopLogprobs] = []
+                    expert_rows: list[list[int]] = out.routed_experts or []
+                    if want_lp:
+                        out.logprobs, out.ranks = lps, ranks
+                    if k:
+                        out.top_logprobs = tops
+                    if listed:
+                        out.token_ids_logprobs = listed_rows
+                    if experts_from is not None:
+                        out.routed_experts = expert_rows
+                out.tokens.append(token)
                 if want_lp:
                     if shown is not None and bias is not None:
                         logprob = shown.logprob(logprob + bias.get(token, 0.0))
-                    out.logprobs = [logprob]
-                    out.ranks = [model.score(state, token)[1]]
+                    lps.append(logprob)
+                    ranks.append(model.score(state, token)[1])
                 if k:
-                    out.top_logprobs = [shown.top(k) if shown else model.top(state, k)]
+                    tops.append(shown.top(k) if shown else model.top(state, k))
                 if listed:
-                    out.token_ids_logprobs = [listed_at(state, shown)]
+                    listed_rows.append(listed_at(state, shown))
                 if experts_from is not None and n:
                     # The previous token's forward pass; the last token never gets one.
-                    out.routed_experts = [self.experts.row(state)]
+                    expert_rows.append(self.experts.row(state))
                 state = advance(state, token)
                 output.append(token)
                 self._active_kv_tokens += 1
@@ -488,7 +538,6 @@ class MockEngine:
                     out.usage = usage(len(prompt), n + 1, cached)
                     yield out
                     return
-                yield out
         finally:
             self._active_kv_tokens -= kv
             if self._running.get(env.id) is aborted:

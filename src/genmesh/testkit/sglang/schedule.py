@@ -145,7 +145,7 @@ class Generation:
     def _scheduler_abort(self, message: str) -> None:
         # set_finish_with_abort: the prompt became [0] and logprobs were switched off;
         # one forward pass later the request finishes with the abort.
-        token = advance(initial_state(self.item.seed), 0) % self.scheduler.model.vocab_size
+        token = self.scheduler.model.greedy_token(advance(initial_state(self.item.seed), 0))
         self.record.output_ids = [token]
         self._emit("final", scheduler_abort(self.item, [token], message, self.created))
 
@@ -218,7 +218,7 @@ class Generation:
             # Masked like a real engine masks stop logits: the best allowed candidate.
             candidates = model.top(state, MAX_TOP_LOGPROBS)
             return next(((t, lp) for t, lp in candidates if t not in banned), candidates[0])
-        return state % model.vocab_size, model.greedy_logprob(state)
+        return model.greedy_token(state), model.greedy_logprob(state)
 
     def _check_finished(self, token: int, k: int) -> JSON | None:
         """Req.check_finished after `k` tokens: a pending abort, then the length cap, then
