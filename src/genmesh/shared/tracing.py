@@ -148,9 +148,9 @@ def configure(
     provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER
     for name in names:
         if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from genmesh.shared.otlp import OTLPExporter
 
-            exporter: Any = OTLPSpanExporter()  # OTEL_EXPORTER_OTLP_*
+            exporter: Any = OTLPExporter()  # OTEL_EXPORTER_OTLP_*
         else:
             exporter = ConsoleSpanExporter(out=console or sys.stdout)
         provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_*
