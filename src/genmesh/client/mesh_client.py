@@ -109,8 +109,12 @@ class MeshClient:
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         directory: WorkerDirectory | None = None,
         owns_connection: bool = False,
+        attempt_spans: bool = True,
     ) -> None:
         self.nc = nc
+        # A span per attempt (tracing on); False when the caller's span stands for the
+        # request (the frontend's): then only failed attempts get one (client/tracing.py).
+        self.attempt_spans = attempt_spans
         self.subjects = Subjects(namespace)
         self.codec: Codec = get_codec(codec)
         self.ack_timeout_s = ack_timeout_s

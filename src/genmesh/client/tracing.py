@@ -1,18 +1,31 @@
-"""The requester's span per dispatch attempt: a child of the caller's current span (the
-frontend's request span), the parent of the router's and worker's spans."""
+"""The requester's spans for its dispatch attempts.
+
+A NATS-level requester (`genmesh request`, a program embedding `MeshClient`) has nothing
+else that stands for the request: each attempt is a CLIENT span, a child of the caller's
+current span (or a root), the parent of the router's and worker's spans.
+
+Under the frontend the HTTP server span already stands for the request, so attempts make
+no span of their own (`MeshClient(attempt_spans=False)`): the worker's span is a child of
+the server span, and carries `genmesh.attempt`. Only an attempt that failed says something
+the server span cannot (how long it ran, on which worker, why it failed, even when that
+worker died with its span), so it gets a span after the fact, from its start to its
+failure, status ERROR.
+"""
 
 from __future__ import annotations
 
 from opentelemetry.trace import SpanKind
 
-from genmesh.shared import tracing
+from genmesh.shared import frames, tracing
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.tracing import (
     ATTEMPT,
     FORMAT,
     REQUEST_ID,
+    WORKER,
     FrameSpan,
     attempt_of,
+    fail,
     nats_attributes,
 )
 
@@ -30,3 +43,24 @@ def attempt_span(envelope: Envelope, subject: str) -> FrameSpan | None:
         attributes[FORMAT] = envelope.format
         span.set_attributes(attributes)
     return FrameSpan(span)
+
+
+def failed_attempt_span(
+    envelope: Envelope, subject: str, started_ns: int, worker: str | None, err: frames.ErrFrame
+) -> None:
+    """The span of an attempt that failed with `err`, made when it failed: from
+    `started_ns` to now, a child of the current span (the frontend's server span)."""
+    tracer = tracing.tracer()
+    if tracer is None:
+        return
+    span = tracer.start_span(f"send {subject}", kind=SpanKind.CLIENT, start_time=started_ns)
+    if span.is_recording():
+        attributes = nats_attributes(subject, "send", "send")
+        attributes[REQUEST_ID] = envelope.id
+        attributes[ATTEMPT] = attempt_of(envelope)
+        attributes[FORMAT] = envelope.format
+        if worker is not None:
+            attributes[WORKER] = worker
+        span.set_attributes(attributes)
+        fail(span, err["code"], err["message"])
+    span.end()
