@@ -800,3 +800,52 @@ def test_an_unknown_exporter_stops_start_up(nats_url: str) -> None:
     )
     assert done.returncode == 2
     assert b"OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'" in done.stderr
+
+
+@pytest.mark.process
+async def test_the_sampler_variables_decide_for_the_whole_mesh(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """`OTEL_TRACES_SAMPLER=parentbased_traceidratio` with ratio 0: a request that comes
+    without a sampled caller makes no span in any process (the frontend's unsampled context
+    travels on, so no hop samples on its own); a caller's sampled flag is honoured by all."""
+    receiver = OtlpReceiver()
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0",
+    }
+    mesh = Mesh(nats_url, tmp_path, unique_namespace("trs"), env=env)
+    try:
+        mesh.add_router()
+        mesh.add_frontend()
+        mesh.add_worker()
+        sampled, trace_id, _ = new_traceparent()
+        unsampled = sampled[:-2] + "00"
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"traceparent": unsampled}, {"traceparent": sampled}):
+                async with s.post(
+                    mesh.http_url + "/generate", json=sglang_body(4), headers=headers
+                ) as r:
+                    assert r.status == 200, await r.text()
+
+        def complete() -> bool:
+            return len(receiver.trace(trace_id)) >= 3
+
+        await asyncio.to_thread(wait_until, complete, 15.0, 0.05, "the sampled trace")
+        await asyncio.sleep(0.3)  # nothing more may come
+        spans = receiver.spans
+        assert {s.trace_id for s in spans} == {trace_id}, [(s.name, s.service) for s in spans]
+        assert sorted(s.service for s in spans) == [
+            "genmesh-frontend",
+            "genmesh-router",
+            "genmesh-worker",
+        ]
+    except BaseException:
+        print(mesh.logs())
+        raise
+    finally:
+        mesh.stop()
+        receiver.close()
