@@ -1,16 +1,19 @@
 """What OpenTelemetry tracing costs the mesh: CPU per request with tracing on against off.
 
     .venv/bin/python benchmarks/bench_tracing.py [--requests 3000] [--repeats 3]
-        [--concurrency 8] [--base-python /work/wt-base/.venv/bin/python]
+        [--concurrency 8] [--bsp-delay-ms 5000] [--base-python /work/wt-base/.venv/bin/python]
 
 Two meshes side by side on one nats-server, in one run: `off` (no OTEL_* variables: the
 API's no-op tracer) and `on` (OTEL_TRACES_EXPORTER=otlp to an OTLP/HTTP receiver in this
 process that accepts and drops every batch), each 1 router, 1 instant mock worker and 1
 frontend. A closed loop of `--concurrency` clients sends `--requests` SGLang requests
 (32-token prompt, 16 tokens, half SSE, half unary) to each mesh in turn, `--repeats` times,
-alternating; the figure is the CPU (user + system, from /proc/<pid>/stat) of the mesh's
-three processes per request, median over the repeats, and each process's share. The
-receiver and the load generator run in this process and are not counted.
+alternating. Spans are exported as the SDK does by default (a batch every 5 s, or as soon
+as 512 spans wait); `--bsp-delay-ms 200` exports five times a second, which costs more
+(each export is an HTTP request). The figure is the CPU (user + system, from
+/proc/<pid>/stat) of the mesh's three processes per request, median over the repeats, and
+each process's share. The receiver and the load generator run in this process and are not
+counted.
 
 `--base-python` adds the same two meshes run by another interpreter (another checkout's
 virtualenv, say the main branch's), so a change is measured A/B in the same run, on the
@@ -108,7 +111,7 @@ async def main(args: argparse.Namespace) -> None:
             on_env = {
                 "OTEL_TRACES_EXPORTER": "otlp",
                 "OTEL_EXPORTER_OTLP_ENDPOINT": receiver_url,
-                "OTEL_BSP_SCHEDULE_DELAY": "200",
+                "OTEL_BSP_SCHEDULE_DELAY": str(args.bsp_delay_ms),
             }
             pythons = {"": None}
             if args.base_python:
@@ -166,5 +169,11 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--bsp-delay-ms",
+        type=int,
+        default=5000,
+        help="OTEL_BSP_SCHEDULE_DELAY of the traced meshes (the SDK's default: 5000)",
+    )
     parser.add_argument("--base-python", help="also run meshes with this interpreter (A/B)")
     asyncio.run(main(parser.parse_args()))

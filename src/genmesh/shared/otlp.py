@@ -92,7 +92,10 @@ def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
         return b""
     parts = []
     prefix = bytes((tag,))
-    for key, value in attributes.items():
+    # The SDK's BoundedAttributes is a Mapping whose items() goes through the ABC's
+    # per-key lookups; its plain dict, where it has one, is read directly.
+    plain: Mapping[str, Any] = getattr(attributes, "_dict", attributes)
+    for key, value in plain.items():
         pair: tuple[str, type, Any] | None = (key, value.__class__, value)
         try:
             encoded = _pairs.get(pair)  # type: ignore[arg-type]
@@ -132,7 +135,8 @@ def _span(span: ReadableSpan) -> bytes:
     parts.append(bytes((0x30, _KIND[span.kind])))
     parts.append(b"\x39" + _fixed64(span.start_time or 0))
     parts.append(b"\x41" + _fixed64(span.end_time or 0))
-    parts.append(_attributes(0x4A, span.attributes))
+    # `attributes` is a read-only proxy of the span's BoundedAttributes: read what it wraps.
+    parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
     if span.dropped_attributes:
         parts.append(b"\x50" + _varint(span.dropped_attributes))
     for event in span.events:

@@ -41,18 +41,17 @@ class RequestTrace:
     def __init__(self, tracer: Tracer, info: RequestInfo) -> None:
         parent = tracing.extract(info.headers)
         self.span: Span = tracer.start_span(
-            f"{info.method} {info.endpoint}", parent, kind=SpanKind.SERVER
+            f"{info.method} {info.endpoint}",
+            parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": info.method,
+                "http.route": info.endpoint,
+                "url.path": info.endpoint,
+                tracing.FORMAT: info.format,
+            },
         )
         self.recording = self.span.is_recording()
-        if self.recording:
-            self.span.set_attributes(
-                {
-                    "http.request.method": info.method,
-                    "http.route": info.endpoint,
-                    "url.path": info.endpoint,
-                    tracing.FORMAT: info.format,
-                }
-            )
         # What each generation's frames said; the request's output tokens so far.
         self.items: list[frames.Summary] = []
         self.tokens = 0
@@ -94,6 +93,11 @@ class RequestTrace:
             )
             return
         summary = self.items[index]
+        if frame["t"] == frames.OUT and self.tokens:  # most frames: only the count moves
+            count = len(frame["tokens"])
+            summary.tokens += count
+            self.tokens += count
+            return
         tokens = summary.add(frame)
         if tokens:
             if not self.tokens:

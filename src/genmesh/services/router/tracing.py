@@ -48,15 +48,16 @@ def router_span(
     if tracer is None:
         return None
     parent = extract(headers)
-    span = tracer.start_span(f"process {subject}", parent, kind=SpanKind.CONSUMER)
-    if span.is_recording():
-        attributes = nats_attributes(subject, "process", "process")
-        attributes[ROUTER] = router
-        attributes[ROUTER_POLICY] = policy
-        attributes[REQUEST_ID] = envelope.id
-        attributes[ATTEMPT] = attempt_of(envelope)
-        attributes[FORMAT] = envelope.format
-        span.set_attributes(attributes)
+    attributes = nats_attributes(subject, "process", "process")
+    attributes[ROUTER] = router
+    attributes[ROUTER_POLICY] = policy
+    attributes[REQUEST_ID] = envelope.id
+    attributes[ATTEMPT] = attempt_of(envelope)
+    attributes[FORMAT] = envelope.format
+    # Given at the start: the span's attributes are built (and checked) once.
+    span = tracer.start_span(
+        f"process {subject}", parent, kind=SpanKind.CONSUMER, attributes=attributes
+    )
     return HopSpan(span, parent)
 
 
