@@ -289,13 +289,13 @@ class FrameSpan:
         if not self.recording:
             return
         summary = self.summary
-        kind = frame["t"]
-        if kind == frames.OUT and summary.tokens:  # most frames: only the count moves
+        if frame["t"] == frames.OUT and summary.tokens:  # most frames: only the count moves
             summary.tokens += len(frame["tokens"])
             return
         tokens = summary.add(frame)
         if tokens and summary.tokens == len(tokens):
             self.span.add_event(FIRST_TOKEN)
+        kind = frame["t"]
         if kind == frames.ACK:
             worker, dispatch = summary.worker, summary.dispatch
             if worker is not None and dispatch is not None:
