@@ -1,5 +1,6 @@
-"""The router's span per request: a child of the requester's attempt span, ended with the
-routing decision; the forward carries its context, so the worker's span is its child."""
+"""The router's span per request: a child of the requester's span (the frontend's request
+span, or a `MeshClient`'s attempt span), ended with the routing decision; the forward
+carries its context, so the worker's span is its child."""
 
 from __future__ import annotations
 
