@@ -327,18 +327,20 @@ async def test_in_process_chain_and_nothing_leaks(
     def ours() -> list[ReadableSpan]:
         return [s for s in memory.get_finished_spans() if hexid(s.context.trace_id, 32) == trace_id]
 
-    await wait_for(lambda: len(ours()) >= 5, what="five spans")
+    await wait_for(lambda: len(ours()) >= 4, what="four spans")
+    await asyncio.sleep(0.1)  # nothing more may come
     spans = ours()
+    assert len(spans) == 4, [s.name for s in spans]
     (server,) = by_kind(spans, SpanKind.SERVER)
-    (attempt,) = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
     router_span, worker_span = sorted(
         by_kind(spans, SpanKind.CONSUMER), key=lambda s: s.start_time or 0
     )
-    (engine,) = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name == "POST /generate"]
+    # The frontend's server span stands for the attempt: no span of its own.
+    (engine,) = by_kind(spans, SpanKind.CLIENT)
+    assert engine.name == "POST /generate"
     assert server.parent is not None
     assert hexid(server.parent.span_id) == span_id
-    assert child_of(attempt, server)
-    assert child_of(router_span, attempt)
+    assert child_of(router_span, server)
     assert child_of(worker_span, router_span)
     assert child_of(engine, worker_span)
     assert dict(router_span.attributes or {})["genmesh.router"] == "r-in"
@@ -351,11 +353,11 @@ async def test_in_process_chain_and_nothing_leaks(
 
 
 @pytest.mark.inproc
-async def test_a_frontend_that_routes_puts_its_decision_on_the_attempt_span(
+async def test_a_frontend_that_routes_makes_no_hop_span_of_its_own(
     in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter, nats_url: str
 ) -> None:
-    """No router span: the worker's span is the attempt's child, and the attempt says how
-    it was routed; a refusal is the attempt's own error."""
+    """No router span and no attempt span: the worker's span is the server span's child; a
+    refusal is a failed attempt's span, which says how the frontend routed."""
     _, _, _, router = in_process_mesh
     namespace = router.subjects.namespace
     frontend = await start_frontend(frontend_options(nats_url, namespace))
@@ -367,15 +369,13 @@ async def test_a_frontend_that_routes_puts_its_decision_on_the_attempt_span(
             assert r.status == 200
             await r.read()
         await wait_for(lambda: len(by_kind(memory.get_finished_spans(), SpanKind.CONSUMER)) == 1)
+        await wait_for(lambda: len(by_kind(memory.get_finished_spans(), SpanKind.SERVER)) == 1)
         spans = memory.get_finished_spans()
-        (attempt,) = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
+        assert not [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
         (worker_span,) = by_kind(spans, SpanKind.CONSUMER)
-        assert child_of(worker_span, attempt)
-        assert attempt.name == f"send genmesh.{namespace}.worker.w-in.generate"
-        attrs = dict(attempt.attributes or {})
-        assert attrs["genmesh.router.policy"] == "round_robin"
-        assert attrs["genmesh.router.candidates"] == 1
-        assert attrs["genmesh.worker"] == "w-in"
+        (server,) = by_kind(spans, SpanKind.SERVER)
+        assert child_of(worker_span, server)
+        assert dict(worker_span.attributes or {})["genmesh.worker"] == "w-in"
 
         memory.clear()
         body = {"model": "no-such-model", "token_ids": [1, 2], "sampling_params": {}}
@@ -388,16 +388,18 @@ async def test_a_frontend_that_routes_puts_its_decision_on_the_attempt_span(
         spans = memory.get_finished_spans()
         (attempt,) = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
         assert attempt.status.status_code is StatusCode.ERROR
+        assert dict(attempt.attributes or {})["genmesh.router.policy"] == "round_robin"
         assert not by_kind(spans, SpanKind.CONSUMER)
     finally:
         await frontend.close()
 
 
 @pytest.mark.inproc
-async def test_a_batch_has_an_attempt_span_per_generation(
+async def test_a_batch_has_a_hop_per_generation_under_the_server_span(
     in_process_mesh: tuple[str, Any, Any, Router], memory: InMemorySpanExporter
 ) -> None:
-    """The items' streams are pumped by tasks of their own: they inherit the HTTP span."""
+    """The items' streams are pumped by tasks of their own: they inherit the HTTP span, so
+    each generation's router span is its child."""
     url = in_process_mesh[0]
     memory.clear()
     body = {"input_ids": [[1, 2, 3], [4, 5, 6]], "sampling_params": {"max_new_tokens": 3}}
@@ -405,12 +407,14 @@ async def test_a_batch_has_an_attempt_span_per_generation(
         assert r.status == 200
         assert len(await r.json()) == 2
     await wait_for(lambda: len(by_kind(memory.get_finished_spans(), SpanKind.SERVER)) == 1)
+    await wait_for(lambda: len(by_kind(memory.get_finished_spans(), SpanKind.CONSUMER)) == 4)
     spans = memory.get_finished_spans()
     (server,) = by_kind(spans, SpanKind.SERVER)
-    attempts = [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
-    assert len(attempts) == 2
-    assert all(child_of(a, server) for a in attempts)
-    assert len({dict(a.attributes or {})["genmesh.request_id"] for a in attempts}) == 2
+    assert not [s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")]
+    hops = [s for s in by_kind(spans, SpanKind.CONSUMER) if ".router." in s.name]
+    assert len(hops) == 2
+    assert all(child_of(h, server) for h in hops)
+    assert len({dict(h.attributes or {})["genmesh.request_id"] for h in hops}) == 2
     attrs = dict(server.attributes or {})
     assert attrs["genmesh.items"] == 2
     assert attrs["genmesh.tokens.output"] == 6
@@ -618,7 +622,8 @@ def traced(
 
 async def traced_request(mesh: Mesh, receiver: OtlpReceiver, rid: str) -> list[Received]:
     """One unary SGLang request under a caller's traceparent: the spans of its trace once
-    every hop's span has arrived (a worker span per attempt, each under a router span)."""
+    every hop's span has arrived (a worker span per attempt, each under a router span; a
+    failed attempt's own span ends before its worker's)."""
     header, trace_id, _ = new_traceparent()
     async with (
         aiohttp.ClientSession() as s,
@@ -632,15 +637,14 @@ async def traced_request(mesh: Mesh, receiver: OtlpReceiver, rid: str) -> list[R
 
     def complete() -> bool:
         spans = receiver.trace(trace_id)
-        attempts = [s for s in spans if s.kind == CLIENT and s.name.startswith("send ")]
         workers = [s for s in spans if s.service == "genmesh-worker" and s.kind == CONSUMER]
         routers = [s for s in spans if s.service == "genmesh-router"]
         served_by_sglang = [s for s in workers if s.attrs["genmesh.worker"] == SGLANG_WORKER]
         engines = [s for s in spans if s.name == "POST /generate" and s.kind == CLIENT]
         return (
             any(s.kind == SERVER for s in spans)
-            and len(attempts) >= 1
-            and len(workers) == len(routers) == len(attempts)
+            and len(routers) >= 1
+            and len(workers) == len(routers)
             and len(engines) == len(served_by_sglang)
         )
 
@@ -670,7 +674,7 @@ async def test_one_trace_across_processes(traced: tuple[Mesh, str], receiver: Ot
     else:
         pytest.fail("no request reached the SGLang worker")
     assert len({s.trace_id for s in spans}) == 1
-    assert len(spans) == 5, [(s.name, s.service) for s in spans]
+    assert len(spans) == 4, [(s.name, s.service) for s in spans]
     assert receiver.paths
     assert set(receiver.paths) == {"/v1/traces"}
 
@@ -688,20 +692,8 @@ async def test_one_trace_across_processes(traced: tuple[Mesh, str], receiver: Ot
     assert [e for e, _ in server.events] == ["first_token", "finish"]
     assert server.status == STATUS_UNSET
 
-    (attempt,) = children(spans, server)
-    assert attempt.kind == CLIENT
-    assert attempt.service == "genmesh-frontend"
-    assert attempt.name == f"send genmesh.{mesh.namespace}.router.generate"
-    assert attempt.attrs["messaging.system"] == "nats"
-    assert (
-        attempt.attrs["messaging.destination.name"] == f"genmesh.{mesh.namespace}.router.generate"
-    )
-    assert attempt.attrs["genmesh.request_id"] == server.attrs["genmesh.request_id"]
-    assert attempt.attrs["genmesh.attempt"] == 1
-    assert attempt.attrs["genmesh.worker"] == SGLANG_WORKER
-    assert attempt.attrs["genmesh.tokens.output"] == 8
-
-    (routed,) = children(spans, attempt)
+    # The server span stands for the (one, successful) attempt: the router's is its child.
+    (routed,) = children(spans, server)
     assert routed.kind == CONSUMER
     assert routed.service == "genmesh-router"
     assert routed.attrs["messaging.system"] == "nats"
@@ -717,8 +709,8 @@ async def test_one_trace_across_processes(traced: tuple[Mesh, str], receiver: Ot
     assert worker.name == f"process genmesh.{mesh.namespace}.worker.{SGLANG_WORKER}.generate"
     assert worker.resource["service.instance.id"] == SGLANG_WORKER
     assert worker.attrs["genmesh.engine"] == "sglang"
-    assert worker.attrs["genmesh.dispatch_id"] == attempt.attrs["genmesh.dispatch_id"]
-    assert worker.attrs["genmesh.request_id"] == attempt.attrs["genmesh.request_id"]
+    assert worker.attrs["genmesh.dispatch_id"]
+    assert worker.attrs["genmesh.request_id"] == server.attrs["genmesh.request_id"]
     assert worker.attrs["genmesh.attempt"] == 1
     assert worker.attrs["genmesh.tokens.output"] == 8
     assert worker.attrs["genmesh.finish_reason"] == "length"
@@ -750,7 +742,7 @@ async def test_a_migrated_request_shows_each_attempt_in_one_trace(
         spans: list[Received] = []
         for n in range(6):  # until a request lands on the faulty worker and migrates
             spans = await traced_request(mesh, receiver, f"migrate-{n}")
-            if sum(s.name.startswith("send ") for s in spans) > 1:
+            if sum(s.service == "genmesh-router" for s in spans) > 1:
                 break
         else:
             pytest.fail("no request migrated")
@@ -761,17 +753,16 @@ async def test_a_migrated_request_shows_each_attempt_in_one_trace(
 
     assert len({s.trace_id for s in spans}) == 1
     server = one(spans, kind=SERVER)
-    first, second = sorted(children(spans, server), key=lambda s: s.attrs["genmesh.attempt"])
-    assert (first.attrs["genmesh.attempt"], second.attrs["genmesh.attempt"]) == (1, 2)
-    # The failure is on the failed attempt's span; the request as a whole succeeded.
-    assert first.status == STATUS_ERROR
-    assert first.attrs["genmesh.error_type"] == "unavailable"
-    assert first.attrs["genmesh.worker"] == FAULTY_WORKER
-    assert first.attrs["genmesh.tokens.output"] == 2
-    assert second.status == STATUS_UNSET
-    assert second.attrs["genmesh.worker"] == SGLANG_WORKER
-    assert second.attrs["genmesh.tokens.output"] == 6
-    assert second.attrs["genmesh.request_id"] == first.attrs["genmesh.request_id"] + "~2"
+    # The failed attempt has a span of its own (made when it failed); the one that
+    # succeeded has none: the server span stands for it.
+    (failed,) = [s for s in children(spans, server) if s.kind == CLIENT]
+    assert failed.name == f"send genmesh.{mesh.namespace}.router.generate"
+    assert failed.attrs["genmesh.attempt"] == 1
+    assert failed.status == STATUS_ERROR
+    assert failed.attrs["genmesh.error_type"] == "unavailable"
+    assert failed.attrs["genmesh.worker"] == FAULTY_WORKER
+    assert failed.attrs["genmesh.request_id"] == server.attrs["genmesh.request_id"]
+    assert children(spans, failed) == []
     assert server.status == STATUS_UNSET
     assert server.attrs["http.response.status_code"] == 200
     assert server.attrs["genmesh.tokens.output"] == 8
@@ -779,20 +770,24 @@ async def test_a_migrated_request_shows_each_attempt_in_one_trace(
     assert migration["genmesh.attempt"] == 2
     assert migration["genmesh.from_worker"] == FAULTY_WORKER
     assert migration["genmesh.delivered"] == 2
-    # Each attempt: its own router span, and under it the worker span that ran it.
-    for attempt, worker_id, status in (
-        (first, FAULTY_WORKER, STATUS_ERROR),
-        (second, SGLANG_WORKER, STATUS_UNSET),
-    ):
-        (routed,) = children(spans, attempt)
-        assert routed.service == "genmesh-router"
-        assert routed.attrs["genmesh.worker"] == worker_id
+    # Each attempt: its own router span under the server span, and under it the worker
+    # span that ran it.
+    routers = [s for s in children(spans, server) if s.service == "genmesh-router"]
+    workers = {}
+    for routed in routers:
         (worker,) = children(spans, routed)
-        assert worker.attrs["genmesh.worker"] == worker_id
-        assert worker.attrs["genmesh.attempt"] == attempt.attrs["genmesh.attempt"]
-        assert worker.status == status
+        assert worker.attrs["genmesh.worker"] == routed.attrs["genmesh.worker"]
+        workers[worker.attrs["genmesh.attempt"]] = (routed, worker)
+    (_, first), (second_route, second) = workers[1], workers[2]
+    assert first.attrs["genmesh.worker"] == FAULTY_WORKER
+    assert first.status == STATUS_ERROR
+    assert first.attrs["genmesh.tokens.output"] == 2
+    assert second.attrs["genmesh.worker"] == SGLANG_WORKER
+    assert second.status == STATUS_UNSET
+    assert second.attrs["genmesh.tokens.output"] == 6
+    assert second.attrs["genmesh.request_id"] == first.attrs["genmesh.request_id"] + "~2"
     # The second attempt was routed with the first worker excluded.
-    assert one(spans, parent=second.span_id).attrs["genmesh.router.candidates"] == 1
+    assert second_route.attrs["genmesh.router.candidates"] == 1
 
 
 # ============================================================= console and none
@@ -848,3 +843,52 @@ def test_an_unknown_exporter_stops_start_up(nats_url: str) -> None:
     )
     assert done.returncode == 2
     assert b"OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'" in done.stderr
+
+
+@pytest.mark.process
+async def test_the_sampler_variables_decide_for_the_whole_mesh(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """`OTEL_TRACES_SAMPLER=parentbased_traceidratio` with ratio 0: a request that comes
+    without a sampled caller makes no span in any process (the frontend's unsampled context
+    travels on, so no hop samples on its own); a caller's sampled flag is honoured by all."""
+    receiver = OtlpReceiver()
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0",
+    }
+    mesh = Mesh(nats_url, tmp_path, unique_namespace("trs"), env=env)
+    try:
+        mesh.add_router()
+        mesh.add_frontend()
+        mesh.add_worker()
+        sampled, trace_id, _ = new_traceparent()
+        unsampled = sampled[:-2] + "00"
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"traceparent": unsampled}, {"traceparent": sampled}):
+                async with s.post(
+                    mesh.http_url + "/generate", json=sglang_body(4), headers=headers
+                ) as r:
+                    assert r.status == 200, await r.text()
+
+        def complete() -> bool:
+            return len(receiver.trace(trace_id)) >= 3
+
+        await asyncio.to_thread(wait_until, complete, 15.0, 0.05, "the sampled trace")
+        await asyncio.sleep(0.3)  # nothing more may come
+        spans = receiver.spans
+        assert {s.trace_id for s in spans} == {trace_id}, [(s.name, s.service) for s in spans]
+        assert sorted(s.service for s in spans) == [
+            "genmesh-frontend",
+            "genmesh-router",
+            "genmesh-worker",
+        ]
+    except BaseException:
+        print(mesh.logs())
+        raise
+    finally:
+        mesh.stop()
+        receiver.close()

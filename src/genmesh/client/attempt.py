@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from genmesh.client.migration import MigrationReason
-from genmesh.client.tracing import attempt_span
+from genmesh.client.tracing import attempt_span, failed_attempt_span
 from genmesh.codecs import CodecError, UnknownCodecError
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import PING_NOT_RUNNING, codec_headers, is_no_responders, message_codec
@@ -83,11 +84,18 @@ class Attempt:
         refusal = self._route()
         token, queue = client.open_stream()
         # A span per attempt (a child of the caller's current span), ended by its terminal
-        # frame, or below when the attempt is left without one.
-        span = attempt_span(self.envelope, self.subject, self.policy, self.decision)
+        # frame, or below when the attempt is left without one. Without attempt spans,
+        # only a failed attempt gets one, after the fact (client/tracing.py).
+        span = (
+            attempt_span(self.envelope, self.subject, self.policy, self.decision)
+            if client.attempt_spans
+            else None
+        )
+        started_ns = time.time_ns() if span is None and tracing.tracer() is not None else 0
         finished = False
+        frame: frames.Frame | None = None
         try:
-            frame: frames.Frame | None = refusal or await self._publish(token, span)
+            frame = refusal or await self._publish(token, span, started_ns)
             while frame is None or frame["t"] not in frames.TERMINAL:
                 if frame is not None:
                     if span is not None:
@@ -103,6 +111,16 @@ class Attempt:
             client.close_stream(token, self.worker)
             if span is not None:
                 span.end(error_type=ErrorCode.CANCELLED.value)  # unless a frame ended it
+            elif started_ns and frame is not None and frame["t"] == frames.ERR:
+                failed_attempt_span(
+                    self.envelope,
+                    self.subject,
+                    started_ns,
+                    self.worker,
+                    frame,
+                    self.policy,
+                    self.decision,
+                )
             if not finished:
                 try:
                     await client.cancel(rid)
@@ -131,8 +149,11 @@ class Attempt:
         self.subject = self.decision.worker.subject
         return None
 
-    async def _publish(self, token: str, span: tracing.FrameSpan | None) -> frames.Frame | None:
-        """Send the request; None once it is out, else the `err` frame that ends it."""
+    async def _publish(
+        self, token: str, span: tracing.FrameSpan | None, started_ns: int
+    ) -> frames.Frame | None:
+        """Send the request; None once it is out, else the `err` frame that ends it.
+        `started_ns`: tracing is on, without an attempt span."""
         client = self.client
         try:
             data = client.codec.encode(self.envelope.to_wire())
@@ -145,6 +166,8 @@ class Attempt:
         headers = codec_headers(client.codec)
         if span is not None:  # the router's and worker's spans become its children
             headers = tracing.inject(headers, span.span)
+        elif started_ns:  # or the caller's span's (the frontend's server span)
+            headers = tracing.inject_current(headers or {})
         try:
             await client.nc.publish(
                 self.subject, data, reply=client.reply_subject(token), headers=headers

@@ -111,11 +111,15 @@ class MeshClient:
         directory: WorkerDirectory | None = None,
         router: Chooser | None = None,
         owns_connection: bool = False,
+        attempt_spans: bool = True,
     ) -> None:
         """`directory`: discovery, whose departures fail the streams of the workers that
         left (a migration trigger). `router`: route each attempt here, straight to the
         worker it chooses, instead of through the router processes."""
         self.nc = nc
+        # A span per attempt (tracing on); False when the caller's span stands for the
+        # request (the frontend's): then only failed attempts get one (client/tracing.py).
+        self.attempt_spans = attempt_spans
         self.subjects = Subjects(namespace)
         self.codec: Codec = get_codec(codec)
         self.ack_timeout_s = ack_timeout_s

@@ -148,9 +148,9 @@ def configure(
     provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER
     for name in names:
         if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from genmesh.shared.otlp import OTLPExporter
 
-            exporter: Any = OTLPSpanExporter()  # OTEL_EXPORTER_OTLP_*
+            exporter: Any = OTLPExporter()  # OTEL_EXPORTER_OTLP_*
         else:
             exporter = ConsoleSpanExporter(out=console or sys.stdout)
         provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_*
@@ -274,23 +274,29 @@ def fail(span: Span, code: str, message: str) -> None:
 class FrameSpan:
     """A span over one stream of reply frames (an attempt, a worker's run): the first
     token and the finish are events, the token count an attribute, an `err` frame marks it
-    ERROR. Ends once."""
+    ERROR. Ends once. A span that does not record (sampled out) looks at no frame."""
 
-    __slots__ = ("_ended", "span", "summary")
+    __slots__ = ("_ended", "recording", "span", "summary")
 
     def __init__(self, span: Span) -> None:
         self.span = span
+        self.recording = span.is_recording()
         self.summary = frames.Summary()
         self._ended = False
 
     def frame(self, frame: frames.Frame) -> None:
         """Note a frame of the stream; a terminal one ends the span."""
+        if not self.recording:
+            return
         summary = self.summary
+        if frame["t"] == frames.OUT and summary.tokens:  # most frames: only the count moves
+            summary.tokens += len(frame["tokens"])
+            return
         tokens = summary.add(frame)
         if tokens and summary.tokens == len(tokens):
             self.span.add_event(FIRST_TOKEN)
         kind = frame["t"]
-        if kind == frames.ACK and self.span.is_recording():
+        if kind == frames.ACK:
             worker, dispatch = summary.worker, summary.dispatch
             if worker is not None and dispatch is not None:
                 self.span.set_attributes({WORKER: worker, DISPATCH_ID: dispatch})
@@ -307,7 +313,7 @@ class FrameSpan:
         if last is not None and last["t"] in frames.TERMINAL:
             summary.add(last)
         span = self.span
-        if span.is_recording():
+        if self.recording:
             attributes: dict[str, Any] = {TOKENS_OUTPUT: summary.tokens}
             if summary.finished:
                 if summary.finish_reason is not None:

@@ -97,6 +97,7 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             ping_after_s=config.ping_after_s,
             directory=directory,  # a worker that leaves discovery is a migration trigger
             router=router,
+            attempt_spans=False,  # the request's server span stands for its attempts
         )
         backend = MeshBackend(
             nc, client, directory, namespace, admin_timeout_s=config.admin_timeout_s

@@ -33,22 +33,25 @@ class TraceObserver:
 
 
 class RequestTrace:
-    __slots__ = ("_token", "items", "span", "tokens")
+    """A sampled-out request's span records nothing, and this looks at none of its frames;
+    its context is still current, so the hops downstream learn it is not sampled."""
+
+    __slots__ = ("_token", "items", "recording", "span", "tokens")
 
     def __init__(self, tracer: Tracer, info: RequestInfo) -> None:
         parent = tracing.extract(info.headers)
         self.span: Span = tracer.start_span(
-            f"{info.method} {info.endpoint}", parent, kind=SpanKind.SERVER
+            f"{info.method} {info.endpoint}",
+            parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": info.method,
+                "http.route": info.endpoint,
+                "url.path": info.endpoint,
+                tracing.FORMAT: info.format,
+            },
         )
-        if self.span.is_recording():
-            self.span.set_attributes(
-                {
-                    "http.request.method": info.method,
-                    "http.route": info.endpoint,
-                    "url.path": info.endpoint,
-                    tracing.FORMAT: info.format,
-                }
-            )
+        self.recording = self.span.is_recording()
         # What each generation's frames said; the request's output tokens so far.
         self.items: list[frames.Summary] = []
         self.tokens = 0
@@ -56,10 +59,10 @@ class RequestTrace:
         self._token = otel_context.attach(trace.set_span_in_context(self.span, parent))
 
     def dispatched(self, info: RequestInfo) -> None:
+        if not self.recording:
+            return
         self.items = [frames.Summary() for _ in info.items]
         span = self.span
-        if not span.is_recording():
-            return
         attributes: dict[str, Any] = {
             "genmesh.stream": info.stream,
             "genmesh.items": len(self.items),
@@ -73,28 +76,34 @@ class RequestTrace:
         span.set_attributes(attributes)
 
     def frame(self, index: int, frame: ClientFrame) -> None:
+        if not self.recording:
+            return
         span = self.span
         if frame["t"] == MIG:
-            if span.is_recording():
-                span.add_event(
-                    MIGRATION,
-                    {
-                        "genmesh.item": index,
-                        tracing.ATTEMPT: frame["attempt"],
-                        "genmesh.reason": frame["message"],
-                        "genmesh.migration.cause": str(frame["reason"]),
-                        "genmesh.from_worker": frame["from_worker"] or "",
-                        "genmesh.delivered": frame["delivered"],
-                    },
-                )
+            span.add_event(
+                MIGRATION,
+                {
+                    "genmesh.item": index,
+                    tracing.ATTEMPT: frame["attempt"],
+                    "genmesh.reason": frame["message"],
+                    "genmesh.migration.cause": str(frame["reason"]),
+                    "genmesh.from_worker": frame["from_worker"] or "",
+                    "genmesh.delivered": frame["delivered"],
+                },
+            )
             return
         summary = self.items[index]
+        if frame["t"] == frames.OUT and self.tokens:  # most frames: only the count moves
+            count = len(frame["tokens"])
+            summary.tokens += count
+            self.tokens += count
+            return
         tokens = summary.add(frame)
         if tokens:
             if not self.tokens:
                 span.add_event(tracing.FIRST_TOKEN)
             self.tokens += len(tokens)
-        if frame["t"] == frames.END and span.is_recording():
+        if frame["t"] == frames.END:
             attributes: dict[str, Any] = {"genmesh.item": index}
             reason = summary.finish_reason
             if reason is not None:
@@ -106,7 +115,7 @@ class RequestTrace:
     def finished(self, status: int, error_type: str | None) -> None:
         span = self.span
         try:
-            if span.is_recording():
+            if self.recording:
                 attributes: dict[str, Any] = {
                     "http.response.status_code": status,
                     tracing.TOKENS_OUTPUT: self.tokens,

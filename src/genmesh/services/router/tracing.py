@@ -1,5 +1,6 @@
-"""The router's span per request: a child of the requester's attempt span, ended with the
-routing decision; the forward carries its context, so the worker's span is its child."""
+"""The router's span per request: a child of the requester's span (the frontend's request
+span, or a `MeshClient`'s attempt span), ended with the routing decision; the forward
+carries its context, so the worker's span is its child."""
 
 from __future__ import annotations
 
@@ -48,15 +49,16 @@ def router_span(
     if tracer is None:
         return None
     parent = extract(headers)
-    span = tracer.start_span(f"process {subject}", parent, kind=SpanKind.CONSUMER)
-    if span.is_recording():
-        attributes = nats_attributes(subject, "process", "process")
-        attributes[ROUTER] = router
-        attributes[ROUTER_POLICY] = policy
-        attributes[REQUEST_ID] = envelope.id
-        attributes[ATTEMPT] = attempt_of(envelope)
-        attributes[FORMAT] = envelope.format
-        span.set_attributes(attributes)
+    attributes = nats_attributes(subject, "process", "process")
+    attributes[ROUTER] = router
+    attributes[ROUTER_POLICY] = policy
+    attributes[REQUEST_ID] = envelope.id
+    attributes[ATTEMPT] = attempt_of(envelope)
+    attributes[FORMAT] = envelope.format
+    # Given at the start: the span's attributes are built (and checked) once.
+    span = tracer.start_span(
+        f"process {subject}", parent, kind=SpanKind.CONSUMER, attributes=attributes
+    )
     return HopSpan(span, parent)
 
 

@@ -39,14 +39,13 @@ def worker_span(
     tracer = tracing.tracer()
     if tracer is None:
         return None
-    span = tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER)
-    if span.is_recording():
-        attributes = _worker_attributes(subject, worker, engine)
-        attributes[REQUEST_ID] = envelope.id
-        attributes[DISPATCH_ID] = dispatch
-        attributes[ATTEMPT] = attempt_of(envelope)
-        attributes[FORMAT] = envelope.format
-        span.set_attributes(attributes)
+    attributes = _worker_attributes(subject, worker, engine)
+    attributes[REQUEST_ID] = envelope.id
+    attributes[DISPATCH_ID] = dispatch
+    attributes[ATTEMPT] = attempt_of(envelope)
+    attributes[FORMAT] = envelope.format
+    # Given at the start: the span's attributes are built (and checked) once.
+    span = tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER, attributes=attributes)
     return FrameSpan(span)
 
 
