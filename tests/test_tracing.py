@@ -863,7 +863,7 @@ async def test_the_sampler_variables_decide_for_the_whole_mesh(
     mesh = Mesh(nats_url, tmp_path, unique_namespace("trs"), env=env)
     try:
         mesh.add_router()
-        mesh.add_frontend()
+        mesh.add_frontend("--routing", "routers")  # every kind of process is under test
         mesh.add_worker()
         sampled, trace_id, _ = new_traceparent()
         unsampled = sampled[:-2] + "00"
