@@ -141,10 +141,9 @@ class GenerateHandler:
             [
                 self.state.backend.generate(item, no_migration=bound.migration)
                 for item in bound.items
-            ]
+            ],
+            obs,
         )
-        if obs:
-            stream = observed(stream, obs)
         try:
             async with contextlib.aclosing(stream):
                 if bound.stream:
@@ -272,13 +271,16 @@ class GenerateHandler:
 
 
 async def interleave(
-    streams: list[AsyncGenerator[ClientFrame, None]],
+    streams: list[AsyncGenerator[ClientFrame, None]], obs: Observation
 ) -> AsyncGenerator[tuple[int, ClientFrame], None]:
-    """Frames of several streams as they arrive, tagged with their stream's index. Closing
-    this closes every stream (each cancels its request if it has not ended)."""
+    """Frames of several streams as they arrive, tagged with their stream's index and shown
+    to the request's observers on the way (here, not in a layer of their own: every
+    generator a frame passes through costs it a resumption). Closing this closes every
+    stream (each cancels its request if it has not ended)."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:
             async for frame in only:
+                obs.frame(0, frame)
                 yield 0, frame
         return
     queue: asyncio.Queue[tuple[int, ClientFrame | None]] = asyncio.Queue()
@@ -297,18 +299,9 @@ async def interleave(
             if item is None:
                 running -= 1
             else:
+                obs.frame(index, item)
                 yield index, item
     finally:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-
-
-async def observed(
-    stream: AsyncGenerator[tuple[int, ClientFrame], None], obs: Observation
-) -> AsyncGenerator[tuple[int, ClientFrame], None]:
-    """`stream`, with every frame shown to the request's observers on the way."""
-    async with contextlib.aclosing(stream):
-        async for index, frame in stream:
-            obs.frame(index, frame)
-            yield index, frame
