@@ -11,7 +11,6 @@ the mesh adds: NATS hops, msgpack, the router and the worker process.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 import time
@@ -23,7 +22,9 @@ from genmesh.formats.catalog import load_generate_formats
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.local import LocalBackend
 from genmesh.services.frontend.state import FrontendState
+from genmesh.shared.connection import EVENT_LOOPS
 from genmesh.shared.lifecycle import stop_signals
+from genmesh.shared.loop import run
 
 BODY_LIMIT_BYTES = 32 * 1024 * 1024  # the frontend's default --body-limit-mb
 
@@ -55,13 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--speedup", type=float, default=0.0, help="mock speed-up; 0 = instant")
     parser.add_argument("--log-level", default="warning")
+    # The mesh's services run on uvloop unless told otherwise; so does their baseline.
+    parser.add_argument("--event-loop", default="uvloop", choices=EVENT_LOOPS)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s direct %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(serve(args.host, args.port, args.speedup))
+    run(serve(args.host, args.port, args.speedup), args.event_loop)
     return 0
 
 

@@ -34,13 +34,14 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _run_service(coro: Coroutine[Any, Any, None]) -> int:
+def _run_service(coro: Coroutine[Any, Any, None], event_loop: str) -> int:
     # Imported here, not at the top: parsing a command (and its --help) stays quick.
     from genmesh.formats.catalog import ConfigError
     from genmesh.shared.bus import NatsPermissionDenied, NatsUnreachable
+    from genmesh.shared.loop import run
 
     try:
-        asyncio.run(coro)
+        run(coro, event_loop)
     except (NatsUnreachable, NatsPermissionDenied, ConfigError, NatsServerError, ValueError) as exc:
         return _fail(str(exc))
     except OSError as exc:  # e.g. the HTTP port is taken
@@ -62,7 +63,7 @@ def cmd_frontend(config: FrontendConfig) -> int:
     # pid tells their lines apart.
     label = f"frontend[{os.getpid()}]" if config.reuse_port else "frontend"
     configure_logging(config.mesh.log_level, label)
-    return _run_service(serve_frontend(config))
+    return _run_service(serve_frontend(config), config.mesh.event_loop)
 
 
 def cmd_trace_check(config: TraceCheckConfig) -> int:
@@ -91,7 +92,7 @@ def cmd_router(config: RouterConfig) -> int:
     if wrong := _subject_token("--router-id", config.router_id):
         return _fail(wrong)
     configure_logging(config.mesh.log_level, "router")
-    return _run_service(serve_router(config))
+    return _run_service(serve_router(config), config.mesh.event_loop)
 
 
 def cmd_worker(config: WorkerProcessConfig) -> int:
@@ -107,7 +108,7 @@ def cmd_worker(config: WorkerProcessConfig) -> int:
         engine = create_engine(config.engine, url=config.engine_url, mock=config.mock)
     except ValueError as exc:
         return _fail(str(exc))
-    return _run_service(serve_worker(config, engine))
+    return _run_service(serve_worker(config, engine), config.mesh.event_loop)
 
 
 def cmd_nats(config: NatsServerConfig) -> int:
@@ -136,7 +137,7 @@ def cmd_testkit(config: TestkitConfig) -> int:
     from genmesh.shared.lifecycle import configure_logging
 
     configure_logging(config.log_level, f"testkit[{config.engine}]")
-    return _run_service(_testkit(config))
+    return _run_service(_testkit(config), "asyncio")  # a test double, not a mesh service
 
 
 async def _testkit(config: TestkitConfig) -> None:

@@ -49,8 +49,15 @@ class Failure:
     message: str
 
 
-# What a stream's queue holds: replies, and failures detected outside the stream.
-Incoming = Msg | Failure
+class Wake:
+    """Put on a stream's queue by the attempt's timer: time to check the timeouts."""
+
+
+WAKE = Wake()
+
+# What a stream's queue holds: replies, failures detected outside the stream, and the
+# attempt's timer going off.
+Incoming = Msg | Failure | Wake
 
 
 class Attempt:
@@ -76,6 +83,11 @@ class Attempt:
         # or good ping (the idle timeout and the next ping count from these).
         self._expected_seq = 0
         self._silent_since = self._reassured_at = 0.0
+        # One timer per attempt, not one per frame: it is armed for the earliest time a
+        # timeout may be due and left alone while frames keep coming; going off early (the
+        # frames moved the timeouts on) only re-arms it (`_get`).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     async def stream(self) -> AsyncGenerator[frames.Frame, None]:
         """Its frames, ending with one terminal frame (made up here if need be)."""
@@ -108,6 +120,8 @@ class Attempt:
             finished = "origin" not in frame
             yield frame
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             client.close_stream(token, self.worker)
             if span is not None:
                 span.end(error_type=ErrorCode.CANCELLED.value)  # unless a frame ended it
@@ -208,13 +222,13 @@ class Attempt:
             self.failure = reason
         return frames.synthetic_err(self.envelope.id, code, message)
 
-    async def _next(self, queue: asyncio.Queue[Incoming]) -> Incoming | None:
+    async def _next(self, queue: asyncio.Queue[Incoming]) -> Msg | Failure | None:
         """The next reply; a failure detected here; or None after a good ping.
 
         The idle timeout counts from the last frame (`_silent_since`); the next ping is due
         `ping_after_s` after the last frame or good ping (`_reassured_at`)."""
-        if not queue.empty():
-            return queue.get_nowait()
+        if not queue.empty() and not isinstance(first := queue.get_nowait(), Wake):
+            return first
         client = self.client
         deadline = self.deadline
         loop = asyncio.get_running_loop()
@@ -225,11 +239,8 @@ class Attempt:
         wake = min(limit, self._reassured_at + client.ping_after_s) if acked else limit
         if deadline is not None:
             wake = min(wake, deadline)
-        try:
-            async with asyncio.timeout_at(max(wake, loop.time())):
-                return await queue.get()
-        except TimeoutError:
-            pass
+        if (item := await self._get(queue, wake)) is not None:
+            return item
         now = loop.time()
         if deadline is not None and now >= deadline:
             return Failure(None, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
@@ -245,6 +256,25 @@ class Attempt:
         if failure is not None and queue.empty():  # a frame that came meanwhile wins
             return failure
         return None
+
+    async def _get(self, queue: asyncio.Queue[Incoming], wake: float) -> Msg | Failure | None:
+        """The next reply or failure, or None once the loop's clock reaches `wake`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._timer is None or self._timer_at > wake:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = loop.call_at(wake, self._ring, queue)
+                self._timer_at = wake
+            item = await queue.get()
+            if not isinstance(item, Wake):
+                return item
+            if loop.time() >= wake:
+                return None
+
+    def _ring(self, queue: asyncio.Queue[Incoming]) -> None:
+        self._timer = None
+        queue.put_nowait(WAKE)
 
     async def _ping(self, worker: str, timeout: float) -> Failure | None:
         """Ask a silent worker about this attempt: None while it may still run it, else

@@ -266,7 +266,9 @@ async def drain_or_close(nc: Client) -> None:
         return
     except Exception as exc:
         log.debug("NATS: could not drain (%s); closing", exc)
-    with contextlib.suppress(OSError):  # nats-py flushes into the socket that is gone
+    # nats-py flushes into the socket that is gone: asyncio's transport then fails with an
+    # OSError, uvloop's (shared/loop.py) with a RuntimeError ("the handler is closed").
+    with contextlib.suppress(OSError, RuntimeError):
         await nc.close()
 
 

@@ -11,6 +11,7 @@ from genmesh.shared.settings import option
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,10 @@ class MeshConnection:
     )
     namespace: str = option("default", help="mesh namespace (a subject token)")
     log_level: str = option("info", choices=LOG_LEVELS, help="log level")
+    # asyncio's own loop stays one option away: for debugging, or a platform without uvloop.
+    event_loop: str = option(
+        "uvloop", choices=EVENT_LOOPS, help="event loop (shared/loop.py); uvloop is faster"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, NatsAuthError
 from genmesh.shared.ids import new_router_id, new_worker_id
 from genmesh.shared.lifecycle import STOP_SIGNALS
+from genmesh.shared.loop import run
 from genmesh.shared.natsserver import NatsServerError
 from genmesh.shared.settings import to_env, variables
 from genmesh.supervisor import Child, ChildExited, NotReady, Supervisor, wait_http_ok
@@ -240,4 +241,4 @@ async def _run(config: UpConfig) -> int:
 
 
 def run_up(config: UpConfig) -> int:
-    return asyncio.run(_run(config))
+    return run(_run(config), config.mesh.event_loop)

@@ -141,10 +141,9 @@ class GenerateHandler:
             [
                 self.state.backend.generate(item, no_migration=bound.migration)
                 for item in bound.items
-            ]
+            ],
+            obs,
         )
-        if obs:
-            stream = observed(stream, obs)
         try:
             async with contextlib.aclosing(stream):
                 if bound.stream:
@@ -239,6 +238,7 @@ class GenerateHandler:
         response: web.StreamResponse | None = None
         items = [ItemRecords(self.format, exchange, i, stream=True) for i in range(count)]
         ended = 0
+        last = b""
         async for index, frame in stream:
             if frame["t"] == MIG:
                 items[index].migrated()
@@ -249,36 +249,48 @@ class GenerateHandler:
                 # The status is committed only now, so errors before any output keep theirs.
                 if frame["t"] == frames.ERR:
                     return self._error_response(exchange, frame, headers, rid, obs)
-                response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+                response = SseResponse(headers={**SSE_HEADERS, **headers})
                 await response.prepare(request)
             if frame["t"] == frames.KA:
                 await response.write(SSE_KEEPALIVE)
             elif frame["t"] == frames.ERR:
                 status, error = self._failure(frames.error_of(frame), rid, headers["x-request-id"])
                 obs.error_type = error.code.value
-                await response.write(sse_event([exchange.error(error, status)]) + SSE_DONE)
+                last = sse_event([exchange.error(error, status)]) + SSE_DONE
                 break
             else:
                 data = sse_event(exchange.sse(index, items[index].record(frame)))
                 if frame["t"] == frames.END:
                     ended += 1
                     if ended == count:
-                        await response.write(data + sse_event(exchange.sse_end()) + SSE_DONE)
+                        last = data + sse_event(exchange.sse_end()) + SSE_DONE
                         break
                 await response.write(data)
         assert response is not None
-        await response.write_eof()
+        # The last events and the end of the chunked body leave in one write.
+        await response.write_eof(last)
         return response
 
 
+class SseResponse(web.StreamResponse):
+    """A stream whose headers leave with its first event, in one write (a send costs
+    about as much CPU as rendering an event): aiohttp's `Response` buffers them so, a
+    `StreamResponse` sends them on `prepare()` unless this class attribute says not to."""
+
+    _send_headers_immediately = False
+
+
 async def interleave(
-    streams: list[AsyncGenerator[ClientFrame, None]],
+    streams: list[AsyncGenerator[ClientFrame, None]], obs: Observation
 ) -> AsyncGenerator[tuple[int, ClientFrame], None]:
-    """Frames of several streams as they arrive, tagged with their stream's index. Closing
-    this closes every stream (each cancels its request if it has not ended)."""
+    """Frames of several streams as they arrive, tagged with their stream's index and shown
+    to the request's observers on the way (here, not in a layer of their own: every
+    generator a frame passes through costs it a resumption). Closing this closes every
+    stream (each cancels its request if it has not ended)."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:
             async for frame in only:
+                obs.frame(0, frame)
                 yield 0, frame
         return
     queue: asyncio.Queue[tuple[int, ClientFrame | None]] = asyncio.Queue()
@@ -297,18 +309,9 @@ async def interleave(
             if item is None:
                 running -= 1
             else:
+                obs.frame(index, item)
                 yield index, item
     finally:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-
-
-async def observed(
-    stream: AsyncGenerator[tuple[int, ClientFrame], None], obs: Observation
-) -> AsyncGenerator[tuple[int, ClientFrame], None]:
-    """`stream`, with every frame shown to the request's observers on the way."""
-    async with contextlib.aclosing(stream):
-        async for index, frame in stream:
-            obs.frame(index, frame)
-            yield index, frame

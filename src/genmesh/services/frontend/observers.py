@@ -66,9 +66,6 @@ class Observation:
         self.error_type: str | None = None
         self._done = False
 
-    def __bool__(self) -> bool:
-        return bool(self.observers)
-
     def dispatched(self) -> None:
         for observer in self.observers:
             observer.dispatched(self.info)
