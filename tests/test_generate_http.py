@@ -112,7 +112,7 @@ async def test_every_worker_gives_the_same_answer(mesh: AnyMesh) -> None:
 async def test_sse_is_incremental_and_folds_to_the_unary_body(mesh: AnyMesh) -> None:
     body = {
         "input_ids": [21, 22, 23],
-        "sampling_params": {"max_new_tokens": 40, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True},
         "return_logprob": True,
         "top_logprobs_num": 2,
     }
@@ -125,11 +125,11 @@ async def test_sse_is_incremental_and_folds_to_the_unary_body(mesh: AnyMesh) -> 
     events = sse.events
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    # Deltas, one per frame: the instant mock sends 32 tokens per output, then the rest.
-    assert [len(c["output_ids"]) for c in chunks] == [32, 8]
-    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [32, 40]
+    # Deltas, one per frame: the instant mock sends the first token alone, then the rest.
+    assert [len(c["output_ids"]) for c in chunks] == [1, 5]
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 6]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     assert all("e2e_latency" not in c["meta_info"] for c in chunks[:-1])
     assert "e2e_latency" in chunks[-1]["meta_info"]
     for c in chunks:
@@ -147,7 +147,7 @@ async def test_sse_is_incremental_and_folds_to_the_unary_body(mesh: AnyMesh) -> 
     assert meta["output_top_logprobs"] == [
         top for c in chunks for top in c["meta_info"]["output_top_logprobs"]
     ]
-    assert meta["completion_tokens"] == 40
+    assert meta["completion_tokens"] == 6
     assert meta["input_token_logprobs"] == [[None, 23, None]]
 
 

@@ -120,14 +120,13 @@ async def test_services_still_serve_after_abuse(mesh: AnyMesh, nc: Client) -> No
 
 async def test_json_codec_end_to_end(mesh: AnyMesh, nats_url: str) -> None:
     async with await MeshClient.connect(nats_url, mesh.namespace, codec="json") as client:
-        envelope = request([1, 2, 3], max_tokens=40, logprobs=True)
-        frames = [f async for f in client.generate(envelope)]
-    # The instant mock makes 32 tokens per output: one out frame, then the end with 8.
+        frames = [f async for f in client.generate(request([1, 2, 3], max_tokens=3, logprobs=True))]
+    # The instant mock's first token goes alone; the other two come in one (end) frame.
     assert [f["t"] for f in frames] == ["ack", "out", "end"]
     assert [f["seq"] for f in frames] == [0, 1, 2]
-    assert frames[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 40, "cached_tokens": 0}
+    assert frames[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
     assert frames[-1]["finish"] == {"reason": "length"}
-    assert [len(f["tokens"]) for f in frames[1:]] == [32, 8]
+    assert [len(f["tokens"]) for f in frames[1:]] == [1, 2]
     assert all(len(f["logprobs"]) == len(f["tokens"]) for f in frames[1:])
 
 
@@ -154,7 +153,7 @@ async def test_raw_json_request_like_natscli(mesh: AnyMesh, nc: Client) -> None:
         if not msg.data:
             break  # the empty terminator that `nats req --wait-for-empty` waits for
     frames = [json.loads(m.data) for m in replies[:-1]]
-    assert [f["t"] for f in frames] == ["ack", "end"]  # the instant mock: both tokens at once
+    assert [f["t"] for f in frames] == ["ack", "out", "end"]
     assert all(f["id"] == "natscli-1" for f in frames)
 
 

@@ -147,7 +147,7 @@ async def test_omitted_max_tokens_is_the_server_default_not_16(mesh: AnyMesh) ->
 
 
 async def test_sse_deltas_without_usage(mesh: AnyMesh) -> None:
-    body = {"token_ids": [21, 22, 23], "sampling_params": {"max_tokens": 40, "ignore_eos": True}}
+    body = {"token_ids": [21, 22, 23], "sampling_params": {"max_tokens": 5, "ignore_eos": True}}
     sse = await stream(mesh, body, headers={"X-Request-Id": "sse-1"})
     assert sse.status == 200
     assert sse.headers["Content-Type"].startswith("text/event-stream")
@@ -156,8 +156,8 @@ async def test_sse_deltas_without_usage(mesh: AnyMesh) -> None:
     assert "event:" not in sse.raw
     *chunks, done = sse.events
     assert done == "[DONE]"
-    # One chunk per frame (the instant mock: 32 tokens, then the other 8), no usage.
-    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [32, 8]
+    # One chunk per frame (the instant mock: the first token, then the other 4), no usage.
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4]
     for chunk in chunks:
         assert chunk["request_id"] == "generate-tokens-sse-1"
         assert chunk["usage"] is None
@@ -174,7 +174,7 @@ async def test_sse_deltas_without_usage(mesh: AnyMesh) -> None:
 async def test_sse_usage_chunk_when_stream_options_are_sent(mesh: AnyMesh) -> None:
     body = {
         "token_ids": [21, 22, 23],
-        "sampling_params": {"max_tokens": 40, "ignore_eos": True},
+        "sampling_params": {"max_tokens": 4, "ignore_eos": True},
         "stream_options": {},
     }
     *chunks, usage_chunk, done = (await stream(mesh, body)).events
@@ -184,15 +184,15 @@ async def test_sse_usage_chunk_when_stream_options_are_sent(mesh: AnyMesh) -> No
     assert usage_chunk["request_id"] == chunks[0]["request_id"]
     assert usage_chunk["usage"] == {
         "prompt_tokens": 3,
-        "completion_tokens": 40,
-        "total_tokens": 43,
+        "completion_tokens": 4,
+        "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
 
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     *chunks, usage_chunk, done = (await stream(mesh, body)).events
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [32, 40]  # running totals
-    assert usage_chunk["usage"]["total_tokens"] == 43
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 4]  # running totals
+    assert usage_chunk["usage"]["total_tokens"] == 7
 
     body["stream_options"] = {"include_usage": False}
     events = (await stream(mesh, body)).events

@@ -142,17 +142,16 @@ async def test_plain_input_ids_still_work_and_output_is_encoded(fronts: Frontend
 
 async def test_sse_chunks_match_plain_sglang(fronts: Frontends) -> None:
     prompt = [21, 22, 23]
-    # 40 tokens: the instant mock sends 32 in one output, then the other 8 (two chunks).
-    base = {**BASE, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
-    a = await stream(fronts.plain, {**base, "input_ids": prompt, "return_routed_experts": True})
+    a = await stream(fronts.plain, {**BASE, "input_ids": prompt, "return_routed_experts": True})
     b = await stream(
         fronts.packed,
-        {**base, "input_ids": encode_int32(prompt), "return_routed_experts": True},
+        {**BASE, "input_ids": encode_int32(prompt), "return_routed_experts": True},
     )
     assert a.status == b.status == 200
     assert b.raw.endswith("data: [DONE]\n\n")
     assert a.events[-1] == b.events[-1] == "[DONE]"
     chunks_a, chunks_b = a.events[:-1], b.events[:-1]
+    # (The instant mock sends the first token alone, then the other seven as one frame.)
     assert len(chunks_b) == len(chunks_a) == 2
     assert all(isinstance(c["output_ids"], str) for c in chunks_b)
     assert all(isinstance(c["meta_info"]["routed_experts"], str) for c in chunks_b)
@@ -160,7 +159,7 @@ async def test_sse_chunks_match_plain_sglang(fronts: Frontends) -> None:
     # The stream folds to the unary answer.
     unary = await post(
         fronts.packed,
-        {**base, "input_ids": encode_int32(prompt), "return_routed_experts": True},
+        {**BASE, "input_ids": encode_int32(prompt), "return_routed_experts": True},
     )
     tokens = [t for c in chunks_b for t in decode_int32(c["output_ids"])]
     assert decode_int32(unary.body["output_ids"]) == tokens
@@ -240,9 +239,9 @@ async def test_msgpack_and_b64zstd_clients_share_the_workers(fronts: Frontends) 
     results: dict[str, list[dict[str, Any]]] = {}
     for codec in ("msgpack", "b64zstd"):
         async with await MeshClient.connect(nats_url, ns, codec=codec) as client:
-            env = request([9, 8, 7], max_tokens=40, logprobs=True, top_logprobs=2)
+            env = request([9, 8, 7], max_tokens=6, logprobs=True, top_logprobs=2)
             frames = [f async for f in client.generate(env)]
-        assert [f["t"] for f in frames] == ["ack", "out", "end"]  # 32 tokens, then 8
+        assert [f["t"] for f in frames] == ["ack", "out", "end"]  # 1 token, then 5
         results[codec] = [{k: v for k, v in f.items() if k not in ("id", "worker", "dispatch")}
                           for f in frames]  # fmt: skip
     assert results["msgpack"] == results["b64zstd"]
@@ -259,7 +258,7 @@ async def test_frames_on_the_wire_are_base64_text(fronts: Frontends, nc: Client)
     """A raw NATS client speaks b64zstd to the router; every reply is Base64 text."""
     subjects = Subjects(fronts.mesh.namespace)
     codec = get_codec("b64zstd")
-    env = request([1, 2, 3], max_tokens=40, logprobs=True).to_wire()
+    env = request([1, 2, 3], max_tokens=4, logprobs=True).to_wire()
     inbox = nc.new_inbox()
     replies: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -284,7 +283,7 @@ async def test_frames_on_the_wire_are_base64_text(fronts: Frontends, nc: Client)
         frame = codec.decode(msg.data)
         assert frame["id"] == env["id"]
         kinds.append(frame["t"])
-    assert kinds == ["ack", "out", "end"]  # the instant mock: 32 tokens, then the other 8
+    assert kinds == ["ack", "out", "end"]  # the instant mock: the first token, then the rest
 
 
 async def test_the_packed_frontend_publishes_b64zstd_and_the_plain_one_msgpack(
@@ -337,9 +336,9 @@ async def test_the_packed_frontend_publishes_b64zstd_and_the_plain_one_msgpack(
                 out.append(msg)
         return out
 
-    # ack, end (the instant mock's 8 tokens in one output)
-    await eventually(lambda: len(frames_of(envelope["id"])) == 2, "the packed frames")
-    await eventually(lambda: len(frames_of(plain_env["id"])) == 2, "the plain frames")
+    # ack, out (the instant mock's first token), end (the other 7)
+    await eventually(lambda: len(frames_of(envelope["id"])) == 3, "the packed frames")
+    await eventually(lambda: len(frames_of(plain_env["id"])) == 3, "the plain frames")
     for msg in frames_of(envelope["id"]):
         assert (msg.headers or {})["genmesh-codec"] == "b64zstd"
         assert BASE64_TEXT.fullmatch(msg.data)

@@ -139,8 +139,8 @@ def test_seed_and_prompt_change_the_output() -> None:
     [
         # A timed mock: one token per decode step, one output each.
         (1e6, [1] * 40),
-        # The instant mock: MOCK_CHUNK_TOKENS per output, the first token included.
-        (0.0, [MOCK_CHUNK_TOKENS, 40 - MOCK_CHUNK_TOKENS]),
+        # The instant mock: the first token alone, then MOCK_CHUNK_TOKENS per output.
+        (0.0, [1, MOCK_CHUNK_TOKENS, 40 - 1 - MOCK_CHUNK_TOKENS]),
     ],
 )
 def test_outputs_chunk_only_when_instant_finish_only_on_last(

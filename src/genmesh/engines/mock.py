@@ -463,13 +463,12 @@ class MockEngine:
             min_tokens = env.sampling.min_tokens
             # The output in the making: `first`, then one per chunk. At speed-up 0 the
             # mock produces MOCK_CHUNK_TOKENS tokens per scheduling point and yields them
-            # as one output (a loop round trip per token would dominate its cost): an
-            # instant prefill and the first decode steps are ready together. Otherwise
-            # one token per step, the first one alone after the prefill.
+            # as one output (a loop round trip per token would dominate its cost); the
+            # first token goes alone, as after a prefill. Otherwise one token per step.
             chunk = MOCK_CHUNK_TOKENS if self.config.speedup == 0 else 1
             out = first
             for n in range(budget):
-                if n and n % chunk == 0:
+                if n and (n - 1) % chunk == 0:
                     if out.tokens:
                         yield out
                         out = EngineOutput(tokens=[])
