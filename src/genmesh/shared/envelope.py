@@ -87,14 +87,10 @@ def token_list(value: Any, where: str) -> list[int]:
         raise EnvelopeError(f"{where}: expected a list of token ids, got {type(value).__name__}")
     # Checked in C (a set of the entries' types, then min and max), so a 32k-token prompt
     # costs well under a millisecond; only a bad list is walked in Python, to say where.
-    if value and (
-        set(map(type, value)) != {int} or min(value) < 0 or max(value) > MAX_TOKEN_ID
-    ):
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > MAX_TOKEN_ID):
         for i, tid in enumerate(value):
             if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid <= MAX_TOKEN_ID:
-                raise EnvelopeError(
-                    f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}"
-                )
+                raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
     return value
 
 
