@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.trace import SpanKind
+
+if TYPE_CHECKING:
+    from genmesh.shared.spans import LightSpan
+
+# An SDK span, or genmesh's own (spans.py), which has the same attribute names.
+AnySpan: TypeAlias = "ReadableSpan | LightSpan"
 
 # Span.flags: the SDK sets "has is_remote", and "is_remote" for a remote parent.
 _HAS_IS_REMOTE = 0x100
@@ -114,7 +120,7 @@ def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
     return b"".join(parts)
 
 
-def _span(span: ReadableSpan) -> bytes:
+def _span(span: AnySpan) -> bytes:
     context = span.get_span_context()
     assert context is not None  # an SDK span always has one
     parts = [
@@ -140,10 +146,16 @@ def _span(span: ReadableSpan) -> bytes:
     if span.dropped_attributes:
         parts.append(b"\x50" + _varint(span.dropped_attributes))
     for event in span.events:
-        body = b"\x09" + _fixed64(event.timestamp) + _field(0x12, event.name.encode())
-        body += _attributes(0x1A, event.attributes)
-        if event.dropped_attributes:
-            body += b"\x20" + _varint(event.dropped_attributes)
+        if isinstance(event, tuple):  # a LightSpan's: (name, timestamp, attributes)
+            name, timestamp, attributes = event
+            dropped = 0
+        else:  # the SDK's Event
+            name, timestamp = event.name, event.timestamp
+            attributes, dropped = event.attributes, event.dropped_attributes
+        body = b"\x09" + _fixed64(timestamp) + _field(0x12, name.encode())
+        body += _attributes(0x1A, attributes)
+        if dropped:
+            body += b"\x20" + _varint(dropped)
         parts.append(_field(0x5A, body))
     if span.dropped_events:
         parts.append(b"\x60" + _varint(span.dropped_events))
@@ -171,7 +183,7 @@ def _span(span: ReadableSpan) -> bytes:
     return b"".join(parts)
 
 
-def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
+def encode_spans(spans: Sequence[AnySpan]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans`, serialised: one ResourceSpans per
     resource, one ScopeSpans per instrumentation scope within it, as the SDK groups them."""
     # Grouped by identity: a process has one resource and one scope, and hashing a
@@ -211,7 +223,7 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
 class OTLPExporter(OTLPSpanExporter):
     """The SDK's OTLP/HTTP span exporter, encoding with `encode_spans`."""
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[AnySpan]) -> SpanExportResult:
         if self._shutdown:
             return SpanExportResult.FAILURE
         result = self._client.export(encode_spans(spans))
