@@ -120,12 +120,36 @@ def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
     return b"".join(parts)
 
 
+# Span fields written with one pack each: trace and span id; start and end time.
+_head = struct.Struct(">2sQQ2sQ").pack
+_times = struct.Struct("<BQBQ").pack
+_KIND_FIELD = {kind: bytes((0x30, n)) for kind, n in _KIND.items()}
+_FLAGS_FIELD = {
+    flags: b"\x85\x01" + struct.pack("<I", flags)
+    for flags in (_HAS_IS_REMOTE, _HAS_IS_REMOTE | _IS_REMOTE)
+}
+_NO_STATUS = b"\x7a\x00"
+# Event names and span names repeat: their encoded fields, by name (bounded like _pairs).
+_names: dict[str, bytes] = {}
+
+
+def _name(tag: int, name: str) -> bytes:
+    encoded = _names.get(name)
+    if encoded is None:
+        if len(_names) >= _MAX_PAIRS:
+            _names.clear()
+        encoded = _names[name] = _field(tag, name.encode())
+    return encoded
+
+
 def _span(span: AnySpan) -> bytes:
     context = span.get_span_context()
     assert context is not None  # an SDK span always has one
+    trace_id = context.trace_id
     parts = [
-        b"\x0a\x10" + _ids(context.trace_id >> 64, context.trace_id & 0xFFFFFFFFFFFFFFFF),
-        b"\x12\x08" + _id64(context.span_id),
+        _head(
+            b"\x0a\x10", trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, b"\x12\x08", context.span_id
+        )
     ]
     if context.trace_state:
         parts.append(
@@ -138,9 +162,8 @@ def _span(span: AnySpan) -> bytes:
         if parent.is_remote:
             flags |= _IS_REMOTE
     parts.append(_field(0x2A, span.name.encode()))
-    parts.append(bytes((0x30, _KIND[span.kind])))
-    parts.append(b"\x39" + _fixed64(span.start_time or 0))
-    parts.append(b"\x41" + _fixed64(span.end_time or 0))
+    parts.append(_KIND_FIELD[span.kind])
+    parts.append(_times(0x39, span.start_time or 0, 0x41, span.end_time or 0))
     # `attributes` is a read-only proxy of the span's BoundedAttributes: read what it wraps.
     parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
     if span.dropped_attributes:
@@ -152,8 +175,9 @@ def _span(span: AnySpan) -> bytes:
         else:  # the SDK's Event
             name, timestamp = event.name, event.timestamp
             attributes, dropped = event.attributes, event.dropped_attributes
-        body = b"\x09" + _fixed64(timestamp) + _field(0x12, name.encode())
-        body += _attributes(0x1A, attributes)
+        body = b"\x09" + _fixed64(timestamp) + _name(0x12, name)
+        if attributes:
+            body += _attributes(0x1A, attributes)
         if dropped:
             body += b"\x20" + _varint(dropped)
         parts.append(_field(0x5A, body))
@@ -173,13 +197,17 @@ def _span(span: AnySpan) -> bytes:
     if span.dropped_links:
         parts.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
-    body = b""
-    if status.description:
-        body += _field(0x12, status.description.encode())
-    if status.status_code.value:
-        body += b"\x18" + _varint(status.status_code.value)
-    parts.append(_field(0x7A, body))
-    parts.append(b"\x85\x01" + struct.pack("<I", flags))
+    code = status.status_code.value
+    if code or status.description:
+        body = b""
+        if status.description:
+            body += _field(0x12, status.description.encode())
+        if code:
+            body += b"\x18" + _varint(code)
+        parts.append(_field(0x7A, body))
+    else:
+        parts.append(_NO_STATUS)
+    parts.append(_FLAGS_FIELD[flags])
     return b"".join(parts)
 
 
