@@ -20,8 +20,10 @@ from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
     DEFAULT_ON,
+    Decision,
     ParentBasedTraceIdRatio,
     Sampler,
+    SamplingResult,
     TraceIdRatioBased,
 )
 from opentelemetry.trace import (
@@ -313,3 +315,23 @@ def test_configure_traces_with_light_spans(monkeypatch: pytest.MonkeyPatch) -> N
     assert [e["name"] for e in printed["events"]] == ["first_token"]
     assert printed["resource"]["attributes"]["service.name"] == "genmesh-test"
     assert tracing.tracer() is None
+
+
+class RecordOnly(Sampler):
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return SamplingResult(Decision.RECORD_ONLY)
+
+    def get_description(self) -> str:
+        return "RecordOnly"
+
+
+def test_a_recorded_but_unsampled_span_is_not_exported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    exporter = Memory()
+    provider = LightTracerProvider(RecordOnly(), RESOURCE, [exporter])
+    span = provider.get_tracer("genmesh").start_span("recorded")
+    assert span.is_recording()
+    assert not span.get_span_context().trace_flags.sampled
+    span.end()
+    provider.shutdown()
+    assert exporter.spans == []

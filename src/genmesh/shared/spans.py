@@ -212,7 +212,8 @@ class LightSpan(trace.Span):
         if self.end_time is not None:
             return
         self.end_time = end_time or _time_ns()
-        self._tracer.batcher.emit(self)
+        if self._context.trace_flags & _SAMPLED:  # as the SDK's batch processor: a
+            self._tracer.batcher.emit(self)  # recorded but unsampled span is not exported
 
     def readable(self) -> ReadableSpan:
         """An SDK `ReadableSpan` copy, for an exporter that takes nothing else."""
