@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.trace import SpanKind
+
+if TYPE_CHECKING:
+    from genmesh.shared.spans import LightSpan
+
+# An SDK span, or genmesh's own (spans.py), which has the same attribute names.
+AnySpan: TypeAlias = "ReadableSpan | LightSpan"
 
 # Span.flags: the SDK sets "has is_remote", and "is_remote" for a remote parent.
 _HAS_IS_REMOTE = 0x100
@@ -114,12 +120,36 @@ def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
     return b"".join(parts)
 
 
-def _span(span: ReadableSpan) -> bytes:
+# Span fields written with one pack each: trace and span id; start and end time.
+_head = struct.Struct(">2sQQ2sQ").pack
+_times = struct.Struct("<BQBQ").pack
+_KIND_FIELD = {kind: bytes((0x30, n)) for kind, n in _KIND.items()}
+_FLAGS_FIELD = {
+    flags: b"\x85\x01" + struct.pack("<I", flags)
+    for flags in (_HAS_IS_REMOTE, _HAS_IS_REMOTE | _IS_REMOTE)
+}
+_NO_STATUS = b"\x7a\x00"
+# Event names and span names repeat: their encoded fields, by name (bounded like _pairs).
+_names: dict[str, bytes] = {}
+
+
+def _name(tag: int, name: str) -> bytes:
+    encoded = _names.get(name)
+    if encoded is None:
+        if len(_names) >= _MAX_PAIRS:
+            _names.clear()
+        encoded = _names[name] = _field(tag, name.encode())
+    return encoded
+
+
+def _span(span: AnySpan) -> bytes:
     context = span.get_span_context()
     assert context is not None  # an SDK span always has one
+    trace_id = context.trace_id
     parts = [
-        b"\x0a\x10" + _ids(context.trace_id >> 64, context.trace_id & 0xFFFFFFFFFFFFFFFF),
-        b"\x12\x08" + _id64(context.span_id),
+        _head(
+            b"\x0a\x10", trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, b"\x12\x08", context.span_id
+        )
     ]
     if context.trace_state:
         parts.append(
@@ -132,18 +162,24 @@ def _span(span: ReadableSpan) -> bytes:
         if parent.is_remote:
             flags |= _IS_REMOTE
     parts.append(_field(0x2A, span.name.encode()))
-    parts.append(bytes((0x30, _KIND[span.kind])))
-    parts.append(b"\x39" + _fixed64(span.start_time or 0))
-    parts.append(b"\x41" + _fixed64(span.end_time or 0))
+    parts.append(_KIND_FIELD[span.kind])
+    parts.append(_times(0x39, span.start_time or 0, 0x41, span.end_time or 0))
     # `attributes` is a read-only proxy of the span's BoundedAttributes: read what it wraps.
     parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
     if span.dropped_attributes:
         parts.append(b"\x50" + _varint(span.dropped_attributes))
     for event in span.events:
-        body = b"\x09" + _fixed64(event.timestamp) + _field(0x12, event.name.encode())
-        body += _attributes(0x1A, event.attributes)
-        if event.dropped_attributes:
-            body += b"\x20" + _varint(event.dropped_attributes)
+        if isinstance(event, tuple):  # a LightSpan's: (name, timestamp, attributes)
+            name, timestamp, attributes = event
+            dropped = 0
+        else:  # the SDK's Event
+            name, timestamp = event.name, event.timestamp
+            attributes, dropped = event.attributes, event.dropped_attributes
+        body = b"\x09" + _fixed64(timestamp) + _name(0x12, name)
+        if attributes:
+            body += _attributes(0x1A, attributes)
+        if dropped:
+            body += b"\x20" + _varint(dropped)
         parts.append(_field(0x5A, body))
     if span.dropped_events:
         parts.append(b"\x60" + _varint(span.dropped_events))
@@ -161,17 +197,21 @@ def _span(span: ReadableSpan) -> bytes:
     if span.dropped_links:
         parts.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
-    body = b""
-    if status.description:
-        body += _field(0x12, status.description.encode())
-    if status.status_code.value:
-        body += b"\x18" + _varint(status.status_code.value)
-    parts.append(_field(0x7A, body))
-    parts.append(b"\x85\x01" + struct.pack("<I", flags))
+    code = status.status_code.value
+    if code or status.description:
+        body = b""
+        if status.description:
+            body += _field(0x12, status.description.encode())
+        if code:
+            body += b"\x18" + _varint(code)
+        parts.append(_field(0x7A, body))
+    else:
+        parts.append(_NO_STATUS)
+    parts.append(_FLAGS_FIELD[flags])
     return b"".join(parts)
 
 
-def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
+def encode_spans(spans: Sequence[AnySpan]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans`, serialised: one ResourceSpans per
     resource, one ScopeSpans per instrumentation scope within it, as the SDK groups them."""
     # Grouped by identity: a process has one resource and one scope, and hashing a
@@ -211,7 +251,7 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
 class OTLPExporter(OTLPSpanExporter):
     """The SDK's OTLP/HTTP span exporter, encoding with `encode_spans`."""
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[AnySpan]) -> SpanExportResult:
         if self._shutdown:
             return SpanExportResult.FAILURE
         result = self._client.export(encode_spans(spans))

@@ -9,8 +9,9 @@ Configured only through the standard `OTEL_*` variables, once per process, by `c
   `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else off.
 - `OTEL_SERVICE_NAME` (default `genmesh-<role>`), `OTEL_RESOURCE_ATTRIBUTES`,
   `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_*` and `OTEL_PROPAGATORS`
-  are read by the SDK as usual. The base endpoint gets `/v1/traces` appended; the
-  `..._TRACES_ENDPOINT` one is used verbatim.
+  are read by the SDK's own parsing as usual; the spans themselves are genmesh's
+  (`spans.py`: the SDK's cost about six times as much CPU). The base endpoint gets
+  `/v1/traces` appended; the `..._TRACES_ENDPOINT` one is used verbatim.
 
 Off, `tracer()` is None and every call site skips its tracing code at once: no span, no
 header, no attribute is ever built, and the SDK is not even imported.
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
     from genmesh.shared.envelope import Envelope
+    from genmesh.shared.spans import LightTracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ FINISH = "finish"
 MAX_LISTED = 32
 
 _tracer: Tracer | None = None
-_provider: TracerProvider | None = None
+_provider: TracerProvider | LightTracerProvider | None = None
 _configured = False
 
 
@@ -136,8 +138,10 @@ def configure(
     if not names:
         return False
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    from opentelemetry.sdk.trace.sampling import _get_from_env_or_default
+
+    from genmesh.shared.spans import Exporter, LightTracerProvider, ReadableSpans
 
     attributes: dict[str, str] = {"service.version": __version__}
     if instance_id:
@@ -145,15 +149,17 @@ def configure(
     resource = Resource.create(attributes)  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: f"genmesh-{role}"}))
-    provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER
+    exporters: list[Exporter] = []
     for name in names:
         if name == "otlp":
             from genmesh.shared.otlp import OTLPExporter
 
-            exporter: Any = OTLPExporter()  # OTEL_EXPORTER_OTLP_*
+            exporters.append(OTLPExporter())  # OTEL_EXPORTER_OTLP_*
         else:
-            exporter = ConsoleSpanExporter(out=console or sys.stdout)
-        provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_*
+            exporters.append(ReadableSpans(ConsoleSpanExporter(out=console or sys.stdout)))
+    # genmesh's own spans (spans.py: why), with the SDK's sampler as its TracerProvider
+    # would build it (OTEL_TRACES_SAMPLER[_ARG]) and one batching thread (OTEL_BSP_*).
+    provider = LightTracerProvider(_get_from_env_or_default(), resource, exporters)
     trace.set_tracer_provider(provider)
     install(provider)
     log.info(
@@ -178,9 +184,10 @@ async def running(
             await asyncio.to_thread(shutdown)
 
 
-def install(provider: TracerProvider | None) -> None:
+def install(provider: TracerProvider | LightTracerProvider | None) -> None:
     """Trace through `provider` (None: tracing off), whatever `configure` did. For tests
-    and for programs that embed genmesh with their own provider."""
+    and for programs that embed genmesh with their own (SDK) provider: its spans are the
+    SDK's, with whatever processors it has."""
     global _tracer, _provider
     _provider = provider
     _tracer = None if provider is None else provider.get_tracer(TRACER_NAME, __version__)

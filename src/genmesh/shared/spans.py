@@ -1,0 +1,445 @@
+"""genmesh's own span objects: the tracing path that `tracing.configure` sets up.
+
+Why not the SDK's: on the development machine the SDK's span lifecycle (`start_span` with
+ten attributes, an event, `set_attribute`, `end` into the batch span processor) costs
+about 60 µs of CPU per span: `BoundedAttributes` checks and copies every attribute, every
+span takes a lock per call, runs its processors and is copied into a `ReadableSpan` at its
+end. A request makes two spans in two processes, and tracing's whole budget is 150 µs a
+request. A `LightSpan` is a slotted object with a plain dict of attributes and events as
+tuples, ended into a deque that one thread drains: about a sixth of that
+(docs/observability.md, "Cost").
+
+What of the SDK is still used: the sampler (`OTEL_TRACES_SAMPLER[_ARG]`, parsed and
+decided by the SDK's own objects, so parent-based decisions are exactly the SDK's), the
+`Resource`, the instrumentation scope, the `OTEL_BSP_*` parsing, the OTLP exporter's HTTP
+client (`otlp.OTLPExporter`: endpoint, headers, TLS, compression, retries) and the
+console exporter (given `ReadableSpan` copies: slow, and only for a console).
+
+What is given up, knowingly:
+- Attribute values are neither checked nor copied one by one: genmesh's own attributes are
+  str, bool, int, float or lists of str, which the OTLP encoder writes as they are. A
+  program that embeds genmesh and sets attributes of other types on these spans gets them
+  encoded as well as `otlp._value` can (None: an empty value). Event attributes are kept
+  as given: do not change a mapping after handing it to `add_event`.
+- No locks: a span is touched by one thread, the event loop's, from start to end (the
+  export thread only reads spans that have ended).
+- No span processors (on_start/on_end hooks) and no span limits but the SDK's default
+  of 128 events a span (more are counted as dropped). `with span:` only ends the span;
+  `start_as_current_span` records an exception and sets the status as the API does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import Decision, Sampler
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    INVALID_SPAN_ID,
+    INVALID_TRACE_ID,
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
+from opentelemetry.util import types
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS = 128  # the SDK's default OTEL_SPAN_EVENT_COUNT_LIMIT
+_UNSET = Status(StatusCode.UNSET)
+# Every combination of the two flags the SDK sets: sampled, and "the trace id is random"
+# (its RandomIdGenerator's ids are, so a root span says so and a child inherits it).
+_FLAGS = [TraceFlags(n) for n in range(4)]
+_SAMPLED = TraceFlags.SAMPLED
+_RANDOM = TraceFlags.RANDOM_TRACE_ID
+_time_ns = time.time_ns
+_getrandbits = random.getrandbits
+_get_current_span = trace.get_current_span
+_SAMPLE = Decision.RECORD_AND_SAMPLE
+_DROP = Decision.DROP
+# The SDK's own parsing and checks of the OTEL_BSP_* variables (untyped static methods).
+_BSP: Any = BatchSpanProcessor
+
+
+class Exporter(Protocol):
+    """What `SpanBatcher` exports through (an SDK `SpanExporter` has this shape)."""
+
+    def export(self, spans: Sequence[Any]) -> Any: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LightSpan(trace.Span):
+    """A recording span. Read by `otlp.encode_spans` as it reads an SDK `ReadableSpan`
+    (same attribute names), and turned into one by `readable()` for other exporters."""
+
+    __slots__ = (
+        "_attributes",
+        "_context",
+        "_tracer",
+        "dropped_events",
+        "end_time",
+        "events",
+        "kind",
+        "links",
+        "name",
+        "parent",
+        "start_time",
+        "status",
+    )
+
+    dropped_attributes = 0
+    dropped_links = 0
+
+    def __init__(
+        self,
+        tracer: LightTracer,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: dict[str, Any],
+        links: Sequence[Link],
+        start_time: int,
+    ) -> None:
+        self._tracer = tracer
+        self.name = name
+        self._context = context
+        self.parent = parent
+        self.kind = kind
+        self._attributes = attributes
+        self.links = links
+        self.start_time = start_time
+        self.end_time: int | None = None
+        self.events: list[tuple[str, int, Mapping[str, Any] | None]] = []
+        self.dropped_events = 0
+        self.status = _UNSET
+
+    @property
+    def resource(self) -> Resource:
+        return self._tracer.resource
+
+    @property
+    def instrumentation_scope(self) -> InstrumentationScope:
+        return self._tracer.scope
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        return MappingProxyType(self._attributes)
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def set_attribute(self, key: str, value: types.AnyValue) -> None:
+        if self.end_time is None:
+            self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, types.AnyValue]) -> None:
+        if self.end_time is None:
+            self._attributes.update(attributes)
+
+    def add_event(
+        self,
+        name: str,
+        attributes: types.Attributes = None,
+        timestamp: int | None = None,
+    ) -> None:
+        if self.end_time is not None:
+            return
+        if len(self.events) < MAX_EVENTS:
+            self.events.append((name, timestamp or _time_ns(), attributes))
+        else:
+            self.dropped_events += 1
+
+    def update_name(self, name: str) -> None:
+        if self.end_time is None:
+            self.name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        # As the SDK: OK is final, UNSET changes nothing.
+        if self.end_time is not None or self.status.status_code is StatusCode.OK:
+            return
+        if isinstance(status, StatusCode):
+            status = Status(status, description)
+        if status.status_code is not StatusCode.UNSET:
+            self.status = status
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: types.Attributes = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        """An `exception` event, with the attributes the SDK gives it."""
+        import traceback
+
+        cls = type(exception)
+        module = cls.__module__
+        event: dict[str, Any] = {
+            "exception.type": cls.__qualname__
+            if module in (None, "builtins")
+            else f"{module}.{cls.__qualname__}",
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+        }
+        if attributes:
+            event.update(attributes)
+        self.add_event("exception", event, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time is not None:
+            return
+        self.end_time = end_time or _time_ns()
+        if self._context.trace_flags & _SAMPLED:  # as the SDK's batch processor: a
+            self._tracer.batcher.emit(self)  # recorded but unsampled span is not exported
+
+    def readable(self) -> ReadableSpan:
+        """An SDK `ReadableSpan` copy, for an exporter that takes nothing else."""
+        tracer = self._tracer
+        return ReadableSpan(
+            name=self.name,
+            context=self._context,
+            parent=self.parent,
+            resource=tracer.resource,
+            attributes=self._attributes,
+            events=[Event(name, attrs, timestamp) for name, timestamp, attrs in self.events],
+            links=self.links,
+            kind=self.kind,
+            status=self.status,
+            start_time=self.start_time,
+            end_time=self.end_time,
+            instrumentation_scope=tracer.scope,
+        )
+
+
+class LightTracer(trace.Tracer):
+    """Makes `LightSpan`s, or a `NonRecordingSpan` with the unsampled context when the
+    sampler says no (so that the decision still travels in `traceparent`)."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        resource: Resource,
+        scope: InstrumentationScope,
+        batcher: SpanBatcher,
+    ) -> None:
+        self.sampler = sampler
+        self.resource = resource
+        self.scope = scope
+        self.batcher = batcher
+
+    def start_span(
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: types.Attributes = None,
+        links: Sequence[Link] | None = (),
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+    ) -> trace.Span:
+        # As the SDK's Tracer.start_span, less its processors, limits and checks.
+        parent: SpanContext | None = _get_current_span(context).get_span_context()
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+            random_id = parent.trace_flags & _RANDOM
+        else:
+            parent = None
+            trace_id = _getrandbits(128)
+            while trace_id == INVALID_TRACE_ID:
+                trace_id = _getrandbits(128)
+            random_id = _RANDOM
+        links = links or ()
+        result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
+        decision = result.decision
+        span_id = _getrandbits(64)
+        while span_id == INVALID_SPAN_ID:
+            span_id = _getrandbits(64)
+        span_context = SpanContext(
+            trace_id,
+            span_id,
+            is_remote=False,
+            trace_flags=_FLAGS[random_id | (_SAMPLED if decision is _SAMPLE else 0)],
+            trace_state=result.trace_state,
+        )
+        if decision is _DROP:
+            return NonRecordingSpan(span_context)
+        return LightSpan(
+            self,
+            name,
+            span_context,
+            parent,
+            kind,
+            dict(result.attributes) if result.attributes else {},  # the span's own copy
+            links,
+            start_time or _time_ns(),
+        )
+
+    def start_as_current_span(  # type: ignore[override]
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: types.Attributes = None,
+        links: Sequence[Link] | None = (),
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+        end_on_exit: bool = True,
+    ) -> Iterator[trace.Span]:
+        span = self.start_span(name, context, kind, attributes, links, start_time)
+        return trace.use_span(  # type: ignore[return-value]
+            span,
+            end_on_exit=end_on_exit,
+            record_exception=record_exception,
+            set_status_on_exception=set_status_on_exception,
+        )
+
+
+class SpanBatcher:
+    """Ended spans wait in a bounded deque (full: dropped and counted); one thread exports
+    them in batches every `OTEL_BSP_SCHEDULE_DELAY` ms, or as soon as a batch
+    (`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`) waits, to every exporter in turn. The variables are
+    read by the SDK's own parsing, defaults included (5 s, 512 spans, a queue of 2,048, a
+    30 s export timeout, which bounds `shutdown`)."""
+
+    def __init__(self, exporters: Sequence[Exporter]) -> None:
+        self.exporters = list(exporters)
+        self.max_queue_size: int = _BSP._default_max_queue_size()
+        self.max_batch: int = _BSP._default_max_export_batch_size()
+        self.delay_s: float = _BSP._default_schedule_delay_millis() / 1e3
+        self.timeout_s: float = _BSP._default_export_timeout_millis() / 1e3
+        _BSP._validate_arguments(self.max_queue_size, self.delay_s * 1e3, self.max_batch)
+        self.dropped = 0
+        self._queue: collections.deque[LightSpan] = collections.deque()
+        self._wake = threading.Event()
+        self._export_lock = threading.Lock()  # the thread's drain against force_flush's
+        self._stopping = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="genmesh-spans", daemon=True)
+        self._thread.start()
+
+    def emit(self, span: LightSpan) -> None:
+        """Queue an ended span (the event loop's side: no lock, no wait)."""
+        if self._stopping:  # as the SDK: a span that ends after shutdown is not exported
+            return
+        queue = self._queue
+        if len(queue) >= self.max_queue_size:
+            self.dropped += 1
+            return
+        queue.append(span)
+        if len(queue) >= self.max_batch and not self._wake.is_set():
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(self.delay_s)
+            self._wake.clear()
+            self._drain()
+        self._drain()  # shutdown: what is left
+
+    def _drain(self) -> None:
+        # The exporter's own HTTP calls are not to be traced by any instrumentation.
+        token = otel_context.attach(
+            otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True)
+        )
+        try:
+            with self._export_lock:
+                queue = self._queue
+                while queue:
+                    batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+                    for exporter in self.exporters:
+                        try:
+                            exporter.export(batch)
+                        except Exception:
+                            log.exception("exporting %d spans failed", len(batch))
+        finally:
+            otel_context.detach(token)
+
+    def force_flush(self, timeout_millis: int | None = None) -> bool:
+        """Export what waits, in the calling thread."""
+        if self._stopping:
+            return False
+        self._drain()
+        return True
+
+    def shutdown(self) -> None:
+        """Export what is left and stop the thread, within the export timeout; then the
+        exporters."""
+        if self._stopped:
+            return
+        self._stopped = self._stopping = True
+        self._wake.set()
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            log.warning("span export did not finish within %.0f s", self.timeout_s)
+        if self.dropped:
+            log.warning("%d spans dropped: the export queue was full", self.dropped)
+        for exporter in self.exporters:
+            exporter.shutdown()
+
+
+class ReadableSpans:
+    """An exporter that takes SDK `ReadableSpan`s only (the console's), fed copies."""
+
+    def __init__(self, exporter: Exporter) -> None:
+        self.exporter = exporter
+
+    def export(self, spans: Sequence[LightSpan]) -> Any:
+        return self.exporter.export([span.readable() for span in spans])
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+
+class LightTracerProvider(trace.TracerProvider):
+    """The provider of `LightTracer`s: one sampler, resource and batcher, a scope per
+    tracer. Set as the global provider, so a program's own `trace.get_tracer` spans are
+    exported with genmesh's."""
+
+    def __init__(self, sampler: Sampler, resource: Resource, exporters: Sequence[Exporter]):
+        self.sampler = sampler
+        self.resource = resource
+        self.batcher = SpanBatcher(exporters)
+        atexit.register(self.shutdown)  # as the SDK's provider: a plain exit still exports
+
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: types.Attributes = None,
+    ) -> LightTracer:
+        scope = InstrumentationScope(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
+        )
+        return LightTracer(self.sampler, self.resource, scope, self.batcher)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.batcher.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self.batcher.shutdown()

@@ -1,0 +1,337 @@
+"""genmesh's own spans (shared/spans.py): what they record, how they are sampled (as the
+SDK samples), and the batch queue behind them (bounded, drained by one thread, flushed by
+shutdown)."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    DEFAULT_ON,
+    Decision,
+    ParentBasedTraceIdRatio,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
+
+from genmesh.shared import tracing
+from genmesh.shared.errors import ErrorCode
+from genmesh.shared.otlp import encode_spans
+from genmesh.shared.spans import MAX_EVENTS, LightSpan, LightTracer, LightTracerProvider
+
+pytestmark = pytest.mark.unit
+
+RESOURCE = Resource.create({"service.name": "genmesh-test"})
+
+
+class Memory:
+    """An exporter that keeps what it is given; `gate`, when set, holds each export until
+    it is opened."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.spans: list[Any] = []
+        self.gate = gate
+        self.exporting = threading.Event()
+        self.shut = False
+
+    def export(self, spans: Sequence[Any]) -> None:
+        self.exporting.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.spans.extend(spans)
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+@pytest.fixture
+def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LightTracer, Memory]]:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")  # only shutdown exports
+    exporter = Memory()
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    yield provider.get_tracer("genmesh", "1.0"), exporter
+    provider.shutdown()
+
+
+def remote(sampled: bool = True, state: TraceState | None = None) -> SpanContext:
+    return SpanContext(
+        trace_id=(1 << 120) | 99,
+        span_id=(1 << 60) | 3,
+        is_remote=True,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT),
+        trace_state=state,
+    )
+
+
+def test_a_span_records_what_it_is_given(memory: tuple[LightTracer, Memory]) -> None:
+    tracer, _ = memory
+    given = {"messaging.system": "nats", "genmesh.attempt": 1}
+    span = tracer.start_span("process s", kind=SpanKind.CONSUMER, attributes=given)
+    assert isinstance(span, LightSpan)
+    given["genmesh.attempt"] = 2  # the span has its own copy
+    span.set_attribute("genmesh.worker", "w-1")
+    span.set_attributes({"genmesh.tokens.output": 16, "genmesh.router.candidate_ids": ["a"]})
+    span.add_event(tracing.FIRST_TOKEN)
+    span.add_event(tracing.FINISH, {"genmesh.finish_reason": "length"}, timestamp=123)
+    span.update_name("process t")
+    assert span.is_recording()
+    span.end(end_time=span.start_time + 5)
+    assert not span.is_recording()
+    # Ended: nothing changes any more, and a second end does nothing.
+    span.set_attribute("late", 1)
+    span.add_event("late")
+    span.set_status(StatusCode.ERROR, "late")
+    span.end()
+    assert span.name == "process t"
+    assert dict(span.attributes) == {
+        "messaging.system": "nats",
+        "genmesh.attempt": 1,
+        "genmesh.worker": "w-1",
+        "genmesh.tokens.output": 16,
+        "genmesh.router.candidate_ids": ["a"],
+    }
+    assert [(name, attrs) for name, _, attrs in span.events] == [
+        ("first_token", None),
+        ("finish", {"genmesh.finish_reason": "length"}),
+    ]
+    assert span.events[1][1] == 123
+    assert span.end_time == span.start_time + 5
+    assert span.status.status_code is StatusCode.UNSET
+    assert span.kind is SpanKind.CONSUMER
+    assert span.resource is RESOURCE
+    assert (span.instrumentation_scope.name, span.instrumentation_scope.version) == (
+        "genmesh",
+        "1.0",
+    )
+
+
+def test_status_and_errors_as_the_sdk_sets_them(memory: tuple[LightTracer, Memory]) -> None:
+    tracer, _ = memory
+    failed = tracer.start_span("failed")
+    tracing.fail(failed, ErrorCode.UNAVAILABLE.value, "worker gone")
+    assert failed.status.status_code is StatusCode.ERROR  # type: ignore[attr-defined]
+    assert failed.status.description == "worker gone"  # type: ignore[attr-defined]
+    assert failed.attributes["error.type"] == "unavailable"  # type: ignore[attr-defined]
+    cancelled = tracer.start_span("cancelled")
+    tracing.fail(cancelled, ErrorCode.CANCELLED.value, "cancelled")
+    assert cancelled.status.status_code is StatusCode.UNSET  # type: ignore[attr-defined]
+    assert cancelled.attributes == {"genmesh.error_type": "cancelled"}  # type: ignore[attr-defined]
+    ok = tracer.start_span("ok")
+    ok.set_status(StatusCode.OK)
+    ok.set_status(StatusCode.ERROR, "after OK: ignored, as the SDK does")
+    assert ok.status.status_code is StatusCode.OK  # type: ignore[attr-defined]
+    raised = tracer.start_span("raised")
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        raised.record_exception(exc, {"extra": 1})
+    ((name, _, attributes),) = raised.events  # type: ignore[attr-defined]
+    assert name == "exception"
+    assert attributes["exception.type"] == "ValueError"
+    assert attributes["exception.message"] == "boom"
+    assert "raise ValueError" in attributes["exception.stacktrace"]
+    assert attributes["extra"] == 1
+    # start_as_current_span: current inside, the error recorded on the way out.
+    current = None
+    try:
+        with tracer.start_as_current_span("current") as current:
+            assert trace.get_current_span() is current
+            raise KeyError("k")
+    except KeyError:
+        pass
+    assert current is not None
+    assert current.status.status_code is StatusCode.ERROR  # type: ignore[attr-defined]
+    assert current.end_time is not None  # type: ignore[attr-defined]
+
+
+def test_events_beyond_the_limit_are_counted(memory: tuple[LightTracer, Memory]) -> None:
+    tracer, _ = memory
+    span = tracer.start_span("many")
+    for n in range(MAX_EVENTS + 3):
+        span.add_event(f"e{n}")
+    assert len(span.events) == MAX_EVENTS  # type: ignore[attr-defined]
+    assert span.dropped_events == 3  # type: ignore[attr-defined]
+
+
+def test_parent_and_child_ids(memory: tuple[LightTracer, Memory]) -> None:
+    tracer, _ = memory
+    parent_ctx = remote(state=TraceState([("vendor", "x")]))
+    child = tracer.start_span("child", trace.set_span_in_context(NonRecordingSpan(parent_ctx)))
+    ctx = child.get_span_context()
+    assert ctx.trace_id == parent_ctx.trace_id
+    assert ctx.span_id not in (0, parent_ctx.span_id)
+    assert not ctx.is_remote
+    assert ctx.trace_flags.sampled
+    assert ctx.trace_state == parent_ctx.trace_state
+    assert child.parent == parent_ctx  # type: ignore[attr-defined]
+    # A local child of that span: same trace, the span as parent, in the headers too.
+    grandchild = tracer.start_span("grandchild", trace.set_span_in_context(child))
+    assert grandchild.parent == ctx  # type: ignore[attr-defined]
+    assert grandchild.get_span_context().trace_id == ctx.trace_id
+    headers = tracing.inject({}, grandchild)
+    _, trace_hex, span_hex, _ = headers["traceparent"].split("-")
+    assert int(trace_hex, 16) == ctx.trace_id
+    assert int(span_hex, 16) == grandchild.get_span_context().span_id
+    root = tracer.start_span("root")
+    assert root.parent is None  # type: ignore[attr-defined]
+    assert root.get_span_context().trace_id not in (0, ctx.trace_id)
+    # The current span is the default parent.
+    with trace.use_span(root):
+        assert tracer.start_span("in").parent == root.get_span_context()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [DEFAULT_ON, ALWAYS_ON, ALWAYS_OFF, ParentBasedTraceIdRatio(0), TraceIdRatioBased(1.0)],
+    ids=["parentbased_always_on", "always_on", "always_off", "parentbased_ratio_0", "ratio_1"],
+)
+def test_sampling_decides_as_the_sdk(sampler: Sampler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same sampler, same parent: the same decision, flags and trace as the SDK's tracer;
+    sampled out, a NonRecordingSpan that carries the unsampled context on."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    light = LightTracerProvider(sampler, RESOURCE, [Memory()])
+    sdk = TracerProvider(sampler=sampler, resource=RESOURCE)
+    try:
+        parents = [None, remote(sampled=True), remote(sampled=False)]
+        for parent in parents:
+            context = (
+                None if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
+            )
+            ours = light.get_tracer("genmesh").start_span("s", context)
+            theirs = sdk.get_tracer("genmesh").start_span("s", context)
+            assert ours.is_recording() == theirs.is_recording(), parent
+            assert isinstance(ours, NonRecordingSpan) == (not theirs.is_recording())
+            got, want = ours.get_span_context(), theirs.get_span_context()
+            assert got.trace_flags == want.trace_flags, parent
+            assert got.is_valid
+            if parent is not None:
+                assert got.trace_id == want.trace_id == parent.trace_id
+            # What the next hop hears: the same flags in traceparent.
+            assert (
+                tracing.inject({}, ours)["traceparent"][-2:]
+                == (tracing.inject({}, theirs)["traceparent"][-2:])
+            )
+    finally:
+        light.shutdown()
+        sdk.shutdown()
+
+
+def test_a_light_span_encodes_as_the_sdk_encodes_its_copy(
+    memory: tuple[LightTracer, Memory],
+) -> None:
+    tracer, _ = memory
+    parent = trace.set_span_in_context(NonRecordingSpan(remote(state=TraceState([("k", "v")]))))
+    span = tracer.start_span(
+        "process s", parent, kind=SpanKind.CONSUMER, attributes={"s": "é", "i": 7, "f": 2.5}
+    )
+    span.set_attributes({"b": True, "strs": ["a", "b"], "neg": -3})
+    span.add_event("first_token")
+    span.add_event("finish", {"genmesh.tokens.output": 16})
+    tracing.fail(span, "unavailable", "worker gone")
+    span.end()
+    assert isinstance(span, LightSpan)
+    decoded = ExportTraceServiceRequest.FromString(encode_spans([span]))
+    assert decoded == sdk_encode([span.readable()])
+
+
+def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    gate = threading.Event()
+    exporter = Memory(gate)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    tracer = provider.get_tracer("genmesh")
+    try:
+        for _ in range(4):  # a full batch wakes the thread, which then waits at the gate
+            tracer.start_span("first").end()
+        assert exporter.exporting.wait(10)
+        for _ in range(5):  # the queue holds 4: the fifth is dropped and counted
+            tracer.start_span("second").end()
+        assert provider.batcher.dropped == 1
+    finally:
+        gate.set()
+        provider.shutdown()
+    assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 4
+
+
+def test_shutdown_exports_what_is_left(memory: tuple[LightTracer, Memory]) -> None:
+    tracer, exporter = memory
+    for n in range(3):
+        tracer.start_span(f"s{n}").end()
+    assert exporter.spans == []  # the schedule is an hour away
+    batcher = tracer.batcher
+    batcher.shutdown()
+    assert [s.name for s in exporter.spans] == ["s0", "s1", "s2"]
+    assert exporter.shut
+    assert not batcher._thread.is_alive()
+    tracer.start_span("after").end()  # after shutdown: not exported, as the SDK
+    batcher.shutdown()  # twice is fine
+    assert len(exporter.spans) == 3
+
+
+def test_configure_traces_with_light_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configured path (what every service runs) makes LightSpans; the console
+    exporter gets them as the SDK's JSON."""
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tracing, "_configured", False)
+    monkeypatch.setattr(trace, "set_tracer_provider", lambda provider: None)  # not global
+    out = io.StringIO()
+    assert tracing.configure("test", environ={"OTEL_TRACES_EXPORTER": "console"}, console=out)
+    try:
+        tracer = tracing.tracer()
+        assert isinstance(tracer, LightTracer)
+        span = tracer.start_span("POST /generate", kind=SpanKind.SERVER, attributes={"a": 1})
+        span.add_event("first_token")
+        span.end()
+    finally:
+        tracing.shutdown()
+    printed = json.loads(out.getvalue())
+    assert printed["name"] == "POST /generate"
+    assert printed["kind"] == "SpanKind.SERVER"
+    assert printed["attributes"] == {"a": 1}
+    assert [e["name"] for e in printed["events"]] == ["first_token"]
+    assert printed["resource"]["attributes"]["service.name"] == "genmesh-test"
+    assert tracing.tracer() is None
+
+
+class RecordOnly(Sampler):
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return SamplingResult(Decision.RECORD_ONLY)
+
+    def get_description(self) -> str:
+        return "RecordOnly"
+
+
+def test_a_recorded_but_unsampled_span_is_not_exported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    exporter = Memory()
+    provider = LightTracerProvider(RecordOnly(), RESOURCE, [exporter])
+    span = provider.get_tracer("genmesh").start_span("recorded")
+    assert span.is_recording()
+    assert not span.get_span_context().trace_flags.sampled
+    span.end()
+    provider.shutdown()
+    assert exporter.spans == []
