@@ -43,6 +43,7 @@ from genmesh.commandline import command_argv
 from genmesh.shared.bus import connect
 from genmesh.shared.credentials import NO_AUTH, NatsAuth
 from genmesh.shared.discovery import WorkerDirectory
+from genmesh.shared.lifecycle import PID_HEADER
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
 
@@ -326,6 +327,37 @@ async def wait_http_ok(
             if time.monotonic() > deadline:
                 raise NotReady(f"{what or url} not ready in {timeout_s:g}s ({last})")
             await asyncio.sleep(0.05)
+
+
+async def wait_http_ok_from(
+    url: str, children: Collection[Child], *, timeout_s: float = 20.0
+) -> None:
+    """Return once every one of `children` answered `url` with 200: processes that share a
+    port (SO_REUSEPORT), told apart by the PID_HEADER of their answers. Each probe is a new
+    connection, which the kernel hands to one of the listening processes; a process that
+    does not listen yet gets none, so this waits for it too. ChildExited, NotReady as
+    `wait_http_ok`."""
+    deadline = time.monotonic() + timeout_s
+    waiting = {str(c.pid): c for c in children}
+    last = "no answer"
+    timeout = aiohttp.ClientTimeout(total=2)
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        while waiting:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        if waiting.pop(resp.headers.get(PID_HEADER, ""), None) is not None:
+                            continue  # a new one answered: ask again at once
+                    else:
+                        last = (await resp.text()).strip() or f"HTTP {resp.status}"
+            gone = [c for c in children if not c.alive]
+            if gone:
+                raise ChildExited(gone)
+            if time.monotonic() > deadline:
+                pids = ", ".join(sorted(waiting))
+                raise NotReady(f"{url}: pid {pids} not ready in {timeout_s:g}s ({last})")
+            await asyncio.sleep(0.02)
 
 
 async def wait_discovered(

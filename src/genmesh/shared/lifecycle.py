@@ -37,6 +37,9 @@ class Service(ABC):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A frontend's /health names its process, so that frontends sharing a port (SO_REUSEPORT)
+# can be told apart by whoever waits for all of them (`genmesh up --frontends N`).
+PID_HEADER = "X-Genmesh-Pid"
 
 
 @contextlib.asynccontextmanager

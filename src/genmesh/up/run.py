@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import os
 import sys
-import time
 from dataclasses import replace
 
 from genmesh.services.frontend.config import FrontendConfig
@@ -19,7 +18,7 @@ from genmesh.shared.lifecycle import STOP_SIGNALS
 from genmesh.shared.loop import run
 from genmesh.shared.natsserver import NatsServerError
 from genmesh.shared.settings import to_env, variables
-from genmesh.supervisor import Child, ChildExited, NotReady, Supervisor, wait_http_ok
+from genmesh.supervisor import ChildExited, NotReady, Supervisor, wait_http_ok_from
 from genmesh.up.config import UpConfig
 
 READY_TIMEOUT_S = 30.0
@@ -90,18 +89,6 @@ def frontend_configs(config: UpConfig, mesh: MeshConnection) -> list[tuple[str, 
     return out
 
 
-async def _frontends_ready(url: str, count: int, children: list[Child]) -> None:
-    """Every frontend answers /health. Frontends that share a port cannot be addressed one
-    by one: each probe is a fresh connection the kernel hands to one of them (by a hash of
-    its address), and waits until that one is ready; 8 probes per frontend miss a given
-    one with a probability of about 2^-8 (and a frontend only listens once it has connected
-    to NATS, so a missed one is at most moments from ready)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    for _ in range(1 if count == 1 else 8 * count):
-        left = max(deadline - time.monotonic(), 0.1)
-        await wait_http_ok(f"{url}/health", timeout_s=left, watch=children)
-
-
 def child_environment() -> dict[str, str]:
     """Ours, less every variable `genmesh up` read itself: what it resolved travels on the
     children's command lines (an inherited GENMESH_METRICS_PORT or GENMESH_PORT must not
@@ -164,7 +151,9 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
         for name, frontend in frontends
     ]
     http_url = f"http://{config.frontend.host}:{config.frontend.port}"
-    ready = asyncio.ensure_future(_frontends_ready(http_url, len(children), children))
+    ready = asyncio.ensure_future(
+        wait_http_ok_from(f"{http_url}/health", children, timeout_s=READY_TIMEOUT_S)
+    )
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -18,6 +19,7 @@ from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope, Sampling
 from genmesh.shared.ids import new_request_id
+from genmesh.shared.lifecycle import PID_HEADER
 from genmesh.shared.metrics import METRICS_PATH, metrics_handler
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ async def health(request: web.Request) -> web.Response:
     reason = request.app[STATE].backend.not_ready_reason()
     if reason:
         return web.Response(status=503, text=reason)
-    return web.Response(status=200)
+    return web.Response(status=200, headers={PID_HEADER: str(os.getpid())})
 
 
 async def health_generate(request: web.Request) -> web.Response:
