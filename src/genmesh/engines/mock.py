@@ -439,7 +439,10 @@ class MockEngine:
         self._active_kv_tokens += kv
         output: list[int] = []
         try:
-            await self._sleep_ms(prefill_ms(len(prompt) - cached))
+            if self.config.speedup > 0:
+                # (An instant prefill is no scheduling point: the first token comes in the
+                # request's first step, and goes out with the worker's ack.)
+                await self._sleep_ms(prefill_ms(len(prompt) - cached))
             if self.cache is not None:
                 self.cache.insert(prompt)
             first = EngineOutput(tokens=[], cached_tokens=cached)

@@ -330,8 +330,11 @@ class Worker(Service):
         self._active[rid] = active
         self.stats["admitted"] += 1
         self._load_changed.set()
-        await self._send(active, frames.ack(rid, self.worker_id, active.dispatch))
+        # The task first, the `ack` then: the ack is numbered and queued for sending before
+        # the task can run (it starts at the loop's next turn), and an engine that answers
+        # at once has its first frame written with the ack, in one send.
         active.task = self._tasks.spawn(self._run(active), name=f"request {rid}")
+        await self._send(active, frames.ack(rid, self.worker_id, active.dispatch))
         if envelope.deadline is not None:
             # The engine's work ends at the deadline even if the requester is gone.
             expired = MeshError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
