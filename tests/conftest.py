@@ -108,6 +108,15 @@ def mesh(nats_url: str) -> Iterator[InProcessMesh]:
     mesh.stop()
 
 
+@pytest.fixture
+def empty_mesh(nats_url: str) -> Iterator[InProcessMesh]:
+    """An empty in-process mesh for one test: add routers, workers and a frontend as the
+    test needs."""
+    mesh = InProcessMesh(nats_url, unique_namespace("own"))
+    yield mesh
+    mesh.stop()
+
+
 @pytest.fixture(scope="module")
 def process_mesh(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The same mesh as `mesh`, each service an OS process (tests/mesh.py)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.mesh import free_port
-from tests.test_cli import GENMESH, clean_env
+from tests.test_cli import GENMESH, clean_env, up_summary
 
 pytestmark = pytest.mark.process
 
@@ -41,13 +40,7 @@ def test_up_guards_the_admin_routes_with_its_admin_key(tmp_path: Path) -> None:
         env=clean_env(GENMESH_MOCK_SPEEDUP="0"),
     )
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "Ctrl-C stops everything" not in "".join(lines):
-            lines.append(proc.stdout.readline())
-        text = "".join(lines)
-        assert "genmesh is up" in text, text + Path(log.name).read_text()
+        text = up_summary(proc, log)
         url = f"http://127.0.0.1:{port}/abort_request"
         assert status(url) == 401
         assert status(url, "wrong") == 401

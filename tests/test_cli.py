@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -26,6 +27,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
     env.update(extra)
     return env
+
+
+def up_summary(proc: subprocess.Popen[str], log: IO[str]) -> str:
+    """What `genmesh up` printed until "Ctrl-C stops everything" (30 s at most); the test
+    fails, showing the log, unless the mesh came up."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines.append(proc.stdout.readline())
+        if "Ctrl-C stops everything" in lines[-1]:
+            break
+    text = "".join(lines)
+    assert "genmesh is up" in text, text + Path(log.name).read_text()
+    return text
 
 
 def pid_alive(pid: int) -> bool:
@@ -66,16 +82,7 @@ def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path, termina
         start_new_session=terminal,  # its own group, as a shell gives a foreground job
     )
     try:
-        assert proc.stdout is not None
-        summary = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            summary.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        text = "".join(summary)
-        assert "genmesh is up" in text, text + Path(log.name).read_text()
+        text = up_summary(proc, log)
         assert "NATS      nats://127.0.0.1:" in text
         assert "(embedded" in text
         assert f"http://127.0.0.1:{port}" in text

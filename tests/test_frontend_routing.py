@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,6 @@ from tests.mesh import Mesh, wait_until
 pytestmark = pytest.mark.inproc
 
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
-
-
-@pytest.fixture
-def own_mesh(nats_url: str) -> Iterator[InProcessMesh]:
-    mesh = InProcessMesh(nats_url, unique_namespace("froute"))
-    yield mesh
-    mesh.stop()
 
 
 def admitted(mesh: AnyMesh) -> dict[str, int]:
@@ -52,27 +44,27 @@ async def health(mesh: AnyMesh) -> tuple[int, str]:
         return r.status, await r.text()
 
 
-async def test_no_router_needed_and_the_policy_is_honoured(own_mesh: InProcessMesh) -> None:
-    own_mesh.add_frontend("--router-policy", "round_robin")
-    assert (await health(own_mesh))[0] == 503  # no worker yet
-    workers = [own_mesh.add_worker().name for _ in range(2)]
-    assert await health(own_mesh) == (200, "")
+async def test_no_router_needed_and_the_policy_is_honoured(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_frontend("--router-policy", "round_robin")
+    assert (await health(empty_mesh))[0] == 503  # no worker yet
+    workers = [empty_mesh.add_worker().name for _ in range(2)]
+    assert await health(empty_mesh) == (200, "")
     for _ in range(10):
-        reply = await post(own_mesh.http_url + "/generate", BODY)
+        reply = await post(empty_mesh.http_url + "/generate", BODY)
         assert reply.status == 200, reply.body
     await asyncio.to_thread(
-        wait_until, lambda: sum(admitted(own_mesh).values()) == 10, 5.0, 0.02, "10 admitted"
+        wait_until, lambda: sum(admitted(empty_mesh).values()) == 10, 5.0, 0.02, "10 admitted"
     )
     # Round robin over the sorted workers, in this frontend: exactly alternating.
-    assert admitted(own_mesh) == dict.fromkeys(workers, 5)
+    assert admitted(empty_mesh) == dict.fromkeys(workers, 5)
 
 
-async def test_refusals_are_the_routers_own(own_mesh: InProcessMesh) -> None:
+async def test_refusals_are_the_routers_own(empty_mesh: InProcessMesh) -> None:
     """The same request, routed by the frontend and by a router, gets the same answer."""
-    own_mesh.add_router()
-    own_mesh.add_worker(speedup=0.2, max_concurrency=1)
-    routed_here = own_mesh.add_frontend(name="frontend-routes").value.port
-    via_router = own_mesh.add_frontend("--routing", "routers", name="frontend-routers").value.port
+    empty_mesh.add_router()
+    empty_mesh.add_worker(speedup=0.2, max_concurrency=1)
+    routed_here = empty_mesh.add_frontend(name="frontend-routes").value.port
+    via_router = empty_mesh.add_frontend("--routing", "routers", name="frontend-routers").value.port
     urls = [f"http://127.0.0.1:{port}" for port in (routed_here, via_router)]
     await asyncio.to_thread(
         wait_until, lambda: all(ready(url) for url in urls), 5.0, 0.02, "both ready"
@@ -89,7 +81,7 @@ async def test_refusals_are_the_routers_own(own_mesh: InProcessMesh) -> None:
     slow = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
     busy = asyncio.create_task(post(urls[0] + "/generate", slow))
     await asyncio.to_thread(
-        wait_until, lambda: sum(admitted(own_mesh).values()) == 1, 5.0, 0.02, "the slot taken"
+        wait_until, lambda: sum(admitted(empty_mesh).values()) == 1, 5.0, 0.02, "the slot taken"
     )
     a, b = await asyncio.gather(*(post(url + "/generate", BODY) for url in urls))
     assert not busy.done(), "the slot was freed too early for this test"
@@ -100,18 +92,18 @@ async def test_refusals_are_the_routers_own(own_mesh: InProcessMesh) -> None:
     busy.cancel()
 
 
-async def test_routing_routers_still_goes_through_a_router(own_mesh: InProcessMesh) -> None:
-    own_mesh.add_worker()
-    own_mesh.add_frontend("--routing", "routers")
-    status, text = await health(own_mesh)
+async def test_routing_routers_still_goes_through_a_router(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_worker()
+    empty_mesh.add_frontend("--routing", "routers")
+    status, text = await health(empty_mesh)
     assert status == 503
     assert "no router" in text
-    router = own_mesh.add_router()
+    router = empty_mesh.add_router()
     await asyncio.to_thread(
-        wait_until, lambda: own_mesh._http_ok("/health"), 5.0, 0.05, "health with a router"
+        wait_until, lambda: empty_mesh._http_ok("/health"), 5.0, 0.05, "health with a router"
     )
     for _ in range(3):
-        assert (await post(own_mesh.http_url + "/generate", BODY)).status == 200
+        assert (await post(empty_mesh.http_url + "/generate", BODY)).status == 200
     routed: Router = router.value
     assert sum(routed.decisions.values()) == 3
 

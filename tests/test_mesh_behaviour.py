@@ -29,14 +29,6 @@ BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 
 
 @pytest.fixture
-def own_mesh(nats_url: str) -> Iterator[InProcessMesh]:
-    """An empty mesh for one test: add routers, workers and a frontend as the test needs."""
-    mesh = InProcessMesh(nats_url, unique_namespace("own"))
-    yield mesh
-    mesh.stop()
-
-
-@pytest.fixture
 def proc_mesh(nats_url: str, tmp_path: Path) -> Iterator[Mesh]:
     """The same, each service an OS process: for the tests that kill or signal them."""
     mesh = Mesh(nats_url, tmp_path, unique_namespace("own"))
@@ -51,20 +43,20 @@ def card(mesh: AnyMesh, worker_id: str) -> dict[str, Any]:
     raise KeyError(worker_id)
 
 
-async def test_no_worker_is_503_at_once(own_mesh: InProcessMesh, nats_url: str) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    async with aiohttp.ClientSession() as s, s.get(own_mesh.http_url + "/health") as r:
+async def test_no_worker_is_503_at_once(empty_mesh: InProcessMesh, nats_url: str) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    async with aiohttp.ClientSession() as s, s.get(empty_mesh.http_url + "/health") as r:
         assert r.status == 503
         assert "no worker" in await r.text()
-    reply = await post(own_mesh.http_url + "/generate", BODY)
+    reply = await post(empty_mesh.http_url + "/generate", BODY)
     assert reply.status == 503
     assert reply.headers["Retry-After"] == "1"
     assert "no worker" in reply.body["message"]  # SGLang's shape for 5xx
     assert reply.body["code"] == 503
 
     # At NATS level the router answers with an err frame at once, not after a timeout.
-    async with await MeshClient.connect(nats_url, own_mesh.namespace) as client:
+    async with await MeshClient.connect(nats_url, empty_mesh.namespace) as client:
         started = time.monotonic()
         frames = [f async for f in client.generate(request([1, 2]))]
         elapsed = time.monotonic() - started
@@ -92,17 +84,17 @@ async def test_health_needs_a_router_too(proc_mesh: Mesh) -> None:
     )
 
 
-async def test_oversized_and_pathological_bodies(own_mesh: InProcessMesh) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend("--body-limit-mb", "0.001")
-    own_mesh.add_worker()
-    reply = await post(own_mesh.http_url + "/generate", {"input_ids": list(range(1000))})
+async def test_oversized_and_pathological_bodies(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend("--body-limit-mb", "0.001")
+    empty_mesh.add_worker()
+    reply = await post(empty_mesh.http_url + "/generate", {"input_ids": list(range(1000))})
     assert reply.status == 413
     assert "larger than the limit of 1048 bytes" in reply.body["error"]["message"]
-    reply = await post(own_mesh.http_url + "/generate", b"[" * 1000)
+    reply = await post(empty_mesh.http_url + "/generate", b"[" * 1000)
     assert reply.status == 400
     assert reply.body["object"] == "error"
-    reply = await post(own_mesh.http_url + "/generate", {"input_ids": [1, 2]})
+    reply = await post(empty_mesh.http_url + "/generate", {"input_ids": [1, 2]})
     assert reply.status == 200
 
 
@@ -129,13 +121,13 @@ async def test_several_routers_share_the_load_and_survive_each_other(
 
 
 async def test_new_worker_is_routable_within_a_second(
-    own_mesh: InProcessMesh, nats_url: str
+    empty_mesh: InProcessMesh, nats_url: str
 ) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    own_mesh.add_worker()
-    newcomer = own_mesh.add_worker(wait=False)  # returns once it serves its subject
-    async with await MeshClient.connect(nats_url, own_mesh.namespace) as client:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    empty_mesh.add_worker()
+    newcomer = empty_mesh.add_worker(wait=False)  # returns once it serves its subject
+    async with await MeshClient.connect(nats_url, empty_mesh.namespace) as client:
         started = time.monotonic()
         while True:
             frames = [f async for f in client.generate(request([1], worker=newcomer.name))]
@@ -173,12 +165,14 @@ async def test_a_killed_worker_is_dropped_and_a_stopped_one_leaves_at_once(
     assert proc_mesh.worker_ids() == {keep.name}
 
 
-async def test_overloaded_workers_answer_503(own_mesh: InProcessMesh) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    own_mesh.add_worker(speedup=0.2, max_concurrency=1)
+async def test_overloaded_workers_answer_503(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    empty_mesh.add_worker(speedup=0.2, max_concurrency=1)
     slow = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
-    replies = await asyncio.gather(*(post(own_mesh.http_url + "/generate", slow) for _ in range(4)))
+    replies = await asyncio.gather(
+        *(post(empty_mesh.http_url + "/generate", slow) for _ in range(4))
+    )
     statuses = sorted(r.status for r in replies)
     assert statuses.count(200) >= 1
     assert 503 in statuses, statuses
@@ -187,16 +181,18 @@ async def test_overloaded_workers_answer_503(own_mesh: InProcessMesh) -> None:
     assert "capacity" in rejected.body["message"] or "limit" in rejected.body["message"]
 
 
-async def test_a_refused_request_backs_off_and_gets_the_freed_slot(own_mesh: InProcessMesh) -> None:
+async def test_a_refused_request_backs_off_and_gets_the_freed_slot(
+    empty_mesh: InProcessMesh,
+) -> None:
     """Refused as overloaded, a request is sent again after 0.1, 0.2, 0.4 s: the one slot,
     busy for ~0.15 s, is free by then (sent again at once, all attempts met a full mesh)."""
-    own_mesh.add_router()
-    frontend = own_mesh.add_frontend()
-    own_mesh.add_worker(speedup=0.2, max_concurrency=1)
+    empty_mesh.add_router()
+    frontend = empty_mesh.add_frontend()
+    empty_mesh.add_worker(speedup=0.2, max_concurrency=1)
     short = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
-    first = asyncio.create_task(post(own_mesh.http_url + "/generate", short))
+    first = asyncio.create_task(post(empty_mesh.http_url + "/generate", short))
     await asyncio.sleep(0.03)  # admitted: the slot is taken
-    second = await post(own_mesh.http_url + "/generate", short)
+    second = await post(empty_mesh.http_url + "/generate", short)
     assert (await first).status == 200
     assert second.status == 200, second.body
     assert re.search(r"attempt 2 after: .*at capacity", frontend.log()), frontend.log()
@@ -211,10 +207,10 @@ async def _wait_cancelled(mesh: AnyMesh, worker_id: str, before: int) -> dict[st
     return card(mesh, worker_id)
 
 
-async def test_sse_disconnect_cancels_at_the_worker(own_mesh: InProcessMesh) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    worker = own_mesh.add_worker(speedup=0.05)
+async def test_sse_disconnect_cancels_at_the_worker(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    worker = empty_mesh.add_worker(speedup=0.05)
     body = {
         "input_ids": [1, 2],
         "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
@@ -222,27 +218,27 @@ async def test_sse_disconnect_cancels_at_the_worker(own_mesh: InProcessMesh) -> 
     }
     async with (
         aiohttp.ClientSession() as s,
-        s.post(own_mesh.http_url + "/generate", json=body) as r,
+        s.post(empty_mesh.http_url + "/generate", json=body) as r,
     ):
         assert r.status == 200
         await r.content.readuntil(b"\n\n")
         await r.content.readuntil(b"\n\n")
         # Leaving the block drops the connection mid-stream.
-    after = await _wait_cancelled(own_mesh, worker.name, 0)
+    after = await _wait_cancelled(empty_mesh, worker.name, 0)
     assert after["stats"]["completed"] == 0
 
 
-async def test_unary_disconnect_cancels_at_the_worker(own_mesh: InProcessMesh) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    worker = own_mesh.add_worker(speedup=0.05)
+async def test_unary_disconnect_cancels_at_the_worker(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    worker = empty_mesh.add_worker(speedup=0.05)
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
     timeout = aiohttp.ClientTimeout(total=0.5)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         with pytest.raises(asyncio.TimeoutError):
-            async with s.post(own_mesh.http_url + "/generate", json=body) as r:
+            async with s.post(empty_mesh.http_url + "/generate", json=body) as r:
                 await r.read()
-    after = await _wait_cancelled(own_mesh, worker.name, 0)
+    after = await _wait_cancelled(empty_mesh, worker.name, 0)
     assert after["stats"]["completed"] == 0
 
 
@@ -286,12 +282,12 @@ async def _raw_exchange(
         await nc.close()
 
 
-async def test_nats_cancel_stops_the_engine(own_mesh: InProcessMesh, nats_url: str) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    own_mesh.add_worker(speedup=0.05)
+async def test_nats_cancel_stops_the_engine(empty_mesh: InProcessMesh, nats_url: str) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    empty_mesh.add_worker(speedup=0.05)
     envelope = request([1, 2], max_tokens=2000, ignore_eos=True).to_wire()
-    frames = await _raw_exchange(nats_url, own_mesh.namespace, envelope, cancel_after=2)
+    frames = await _raw_exchange(nats_url, empty_mesh.namespace, envelope, cancel_after=2)
     assert frames[0]["t"] == "ack"
     assert frames[-1]["t"] == "err"
     assert frames[-1]["code"] == "cancelled"
@@ -302,13 +298,13 @@ async def test_nats_cancel_stops_the_engine(own_mesh: InProcessMesh, nats_url: s
 
 
 async def test_a_cancel_that_overtakes_its_request_still_wins(
-    own_mesh: InProcessMesh, nats_url: str
+    empty_mesh: InProcessMesh, nats_url: str
 ) -> None:
-    own_mesh.add_router()
-    own_mesh.add_frontend()
-    own_mesh.add_worker()
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    empty_mesh.add_worker()
     envelope = request([1, 2], max_tokens=50).to_wire()
-    frames = await _raw_exchange(nats_url, own_mesh.namespace, envelope, cancel_first=True)
+    frames = await _raw_exchange(nats_url, empty_mesh.namespace, envelope, cancel_first=True)
     assert [f["t"] for f in frames] == ["err"]
     assert frames[0]["code"] == "cancelled"
 

@@ -7,14 +7,13 @@ import json
 import re
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.mesh import free_port
-from tests.test_cli import GENMESH, clean_env
+from tests.test_cli import GENMESH, clean_env, up_summary
 
 pytestmark = pytest.mark.process
 
@@ -46,14 +45,10 @@ def test_two_frontends_share_the_port_and_both_serve(tmp_path: Path) -> None:
         env=clean_env(GENMESH_MOCK_SPEEDUP="0"),
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "Ctrl-C stops everything" not in "".join(lines):
-            lines.append(proc.stdout.readline())
-        text = "".join(lines)
-        assert "genmesh is up" in text, text + Path(log.name).read_text()
-        frontend_line = next(line for line in lines if line.strip().startswith("frontend"))
+        text = up_summary(proc, log)
+        frontend_line = next(
+            line for line in text.splitlines() if line.strip().startswith("frontend")
+        )
         pids = [int(p) for p in re.findall(r"\d+", frontend_line.split("pid", 1)[1])]
         assert len(set(pids)) == 2, frontend_line
 
