@@ -9,8 +9,12 @@ ignored so that newer requesters can talk to older workers.
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
+
+from genmesh.codecs.int32 import TOKENS, first_negative, from_le_bytes
 
 PROTOCOL_VERSION = 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -92,6 +96,64 @@ def token_list(value: Any, where: str) -> list[int]:
             if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid <= MAX_TOKEN_ID:
                 raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
     return value
+
+
+# An array of C ints, as mypy sees it.
+if TYPE_CHECKING:
+    IntArray: TypeAlias = array[int]
+else:  # `array` takes no subscript at run time before Python 3.12
+    IntArray = array
+
+
+class TokenIds(IntArray):
+    """A prompt: token IDs as 4-byte C ints, made from a request in one C pass and carried
+    as one bin on msgpack (`codecs/int32.py`); whatever needs a list converts once. Equal
+    to a list of the same IDs, and joined with one by `+`, as the list it replaces was
+    (a slice is a plain array)."""
+
+    __slots__ = ()
+    __hash__ = None  # mutable, as arrays and lists are
+
+    def __new__(cls, values: Iterable[int] = ()) -> TokenIds:
+        return super().__new__(cls, TOKENS, values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return self.tolist() == other
+        return array.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __add__(self, other: Iterable[int]) -> TokenIds:
+        joined = TokenIds(self)
+        joined.extend(other)
+        return joined
+
+    def __radd__(self, other: Iterable[int]) -> TokenIds:
+        return TokenIds(other) + self
+
+
+def token_array(value: Any, where: str) -> TokenIds:
+    """Validate a prompt: a bin of little-endian int32 (genmesh's own requesters, on
+    msgpack), a list of token IDs (JSON, and clients that send lists), or a token array
+    (in-process). Token IDs are in [0, 2^31); a bad bin is refused as a bad list is."""
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            raise EnvelopeError(
+                f"{where}: a bin of little-endian int32 must be a multiple of 4 bytes long, "
+                f"got {len(value)} bytes"
+            )
+        packed = from_le_bytes(value, TokenIds())
+    elif isinstance(value, TokenIds):
+        packed = value
+    else:
+        # A list is checked as today (which refuses booleans too), then packed.
+        return TokenIds(token_list(value, where))
+    i = first_negative(packed)
+    if i is not None:
+        raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {packed[i]!r}")
+    return packed
 
 
 def _str_list(value: Any, where: str) -> list[str]:
@@ -265,7 +327,7 @@ class Continuation:
 @dataclass(slots=True)
 class Envelope:
     id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     format: str = ""
     model: str | None = None
     client_id: str | None = None
@@ -277,6 +339,13 @@ class Envelope:
     continuation: Continuation | None = None
     # Absolute deadline, Unix seconds; None = no deadline.
     deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        # Formats from other packages (and tests) may build envelopes from lists of ints;
+        # every consumer reads the prompt as a token array.
+        values: object = self.token_ids
+        if not isinstance(values, TokenIds):
+            self.token_ids = TokenIds(cast("Iterable[int]", values))
 
     @classmethod
     def from_wire(cls, obj: Any) -> Envelope:
@@ -290,7 +359,7 @@ class Envelope:
             raise EnvelopeError("id: required, a non-empty string")
         if "token_ids" not in obj:
             raise EnvelopeError("token_ids: required")
-        token_ids = token_list(obj["token_ids"], "token_ids")
+        token_ids = token_array(obj["token_ids"], "token_ids")
         if not token_ids:
             raise EnvelopeError("token_ids: must not be empty")
         continuation = _map(obj, "continuation")
