@@ -127,14 +127,14 @@ def test_a_big_endian_host_swaps_on_the_way_in_and_out(monkeypatch: pytest.Monke
     assert swapped == b"\x00\x00\x00\x01\x01\x02\x03\x04"
     assert ids.tobytes() == native  # the array itself is left alone
     assert packing.from_le_bytes(swapped, TokenIds()) == [1, 0x01020304]
-    # The sign bytes are then the first of every four.
-    assert packing.first_negative(TokenIds([0x80, 0])) == 0
+    # The top bytes are then the first of every four.
+    assert packing.first_high(TokenIds([0x80, 0])) == 0
 
 
-@given(st.lists(st.integers(min_value=-(2**31), max_value=MAX_TOKEN_ID), max_size=40))
-def test_first_negative(ids: list[int]) -> None:
-    expected = next((i for i, t in enumerate(ids) if t < 0), None)
-    assert packing.first_negative(TokenIds(ids)) == expected
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40))
+def test_first_high(ids: list[int]) -> None:
+    expected = next((i for i, t in enumerate(ids) if t > MAX_TOKEN_ID), None)
+    assert packing.first_high(TokenIds(ids)) == expected
 
 
 @pytest.mark.parametrize("limit", [1, 2, 255, 256, 257, 1000, 65536, 151_936, 2**24 + 5, 2**31 - 1])

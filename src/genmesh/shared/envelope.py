@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
-from genmesh.codecs.int32 import TOKENS, first_negative, from_le_bytes
+from genmesh.codecs.int32 import TOKENS, first_high, from_le_bytes
 
 PROTOCOL_VERSION = 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -94,7 +94,7 @@ def token_list(value: Any, where: str) -> list[int]:
     if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > MAX_TOKEN_ID):
         for i, tid in enumerate(value):
             if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid <= MAX_TOKEN_ID:
-                raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
+                raise _bad_token(where, i, tid)
     return value
 
 
@@ -106,8 +106,8 @@ else:  # `array` takes no subscript at run time before Python 3.12
 
 
 class TokenIds(IntArray):
-    """A prompt: token IDs as 4-byte C ints, made from a request in one C pass and carried
-    as one bin on msgpack (`codecs/int32.py`); whatever needs a list converts once. Equal
+    """A prompt: token IDs as unsigned 4-byte C ints, made from a request in one C pass and
+    carried as one bin on msgpack (`codecs/int32.py`); whatever needs a list converts once. Equal
     to a list of the same IDs, and joined with one by `+`, as the list it replaces was
     (a slice is a plain array)."""
 
@@ -134,6 +134,21 @@ class TokenIds(IntArray):
         return TokenIds(other) + self
 
 
+def pack_token_ids(values: list[int]) -> TokenIds | None:
+    """`values` as TokenIds when every one is a token ID, checked in C (no Python int is
+    made); None when one is not, for the caller to find and name in its own words. An
+    entry that is no integer raises TypeError (booleans are integers here)."""
+    try:
+        packed = TokenIds(values)  # refuses negatives and ids of 2^32 and above
+    except OverflowError:
+        return None
+    return packed if first_high(packed) is None else None
+
+
+def _bad_token(where: str, i: int, tid: int) -> EnvelopeError:
+    return EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
+
+
 def token_array(value: Any, where: str) -> TokenIds:
     """Validate a prompt: a bin of little-endian int32 (genmesh's own requesters, on
     msgpack), a list of token IDs (JSON, and clients that send lists), or a token array
@@ -145,15 +160,17 @@ def token_array(value: Any, where: str) -> TokenIds:
                 f"got {len(value)} bytes"
             )
         packed = from_le_bytes(value, TokenIds())
-    elif isinstance(value, TokenIds):
-        packed = value
-    else:
-        # A list is checked as today (which refuses booleans too), then packed.
-        return TokenIds(token_list(value, where))
-    i = first_negative(packed)
-    if i is not None:
-        raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {packed[i]!r}")
-    return packed
+        i = first_high(packed)
+        if i is not None:  # the bin carries int32: an entry with its top bit set is negative
+            raise _bad_token(where, i, packed[i] - (1 << 32))
+        return packed
+    if isinstance(value, TokenIds):
+        i = first_high(value)
+        if i is not None:
+            raise _bad_token(where, i, value[i])
+        return value
+    # A list is checked as today (which refuses booleans too), then packed.
+    return TokenIds(token_list(value, where))
 
 
 def _str_list(value: Any, where: str) -> list[str]:

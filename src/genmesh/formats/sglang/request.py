@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from genmesh.codecs.int32 import first_negative
 from genmesh.formats.base import Bound, RequestRejected
 from genmesh.formats.checks import IgnoredFields, oversized_int
 from genmesh.formats.fastapi import UNREADABLE_BODY, BodyError, read_json
@@ -169,16 +168,15 @@ def _prompts(obj: GenerateReqInput) -> tuple[list[TokenIds], bool]:
         raise value_error("Either text, input_ids or input_embeds should be provided.")
     if not ids:
         raise value_error("input_ids cannot be empty.")
-    # The schema packed each prompt in C: a token array (int32) when every id fits one,
-    # else an int64 array. The range check is in C too (the sign bytes, `first_negative`);
-    # only a bad prompt is walked in Python, to say where.
+    # The schema packed each prompt in C, and checked its range there: TokenIds when every
+    # id is a token id, else an int64 array, which alone is walked in Python, to say where.
     single = not isinstance(ids, list)
     rows: list[IntArray] = ids if isinstance(ids, list) else [ids]
     prompts: list[TokenIds] = []
     for b, prompt in enumerate(rows):
         if not prompt:
             raise value_error("input_ids cannot be empty.")
-        if not isinstance(prompt, TokenIds) or first_negative(prompt) is not None:
+        if not isinstance(prompt, TokenIds):
             i, tid = next((i, t) for i, t in enumerate(prompt) if not 0 <= t <= MAX_TOKEN_ID)
             where = f"input_ids[{i}]" if single else f"input_ids[{b}][{i}]"
             raise value_error(f"{where}: token id {tid} is out of range")

@@ -15,6 +15,7 @@ refused with the message SGLang's `SamplingParams(**params)` raises.
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -22,7 +23,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, PlainValidator, TypeAdapter, ValidationError
 
 from genmesh.formats.fastapi import body_errors
-from genmesh.shared.envelope import IntArray, TokenIds
+from genmesh.shared.envelope import IntArray, pack_token_ids
 
 Json = dict[str, Any]
 
@@ -30,16 +31,16 @@ Json = dict[str, Any]
 def _i64_row(value: Any, where: str = "") -> IntArray:
     """One prompt: a list of int64 token ids (SGLang checks the first entry, then packs the
     list into a C int64 array, which is what refuses any other entry). Packed here once, in
-    C: as a token array (int32) when every entry fits one, which is every prompt the mesh
-    can carry; else as the int64 array, which `request._prompts` refuses in SGLang's words."""
+    C: as TokenIds when every entry is a token id, which is every prompt the mesh can
+    carry; else as the int64 array, which `request._prompts` refuses in SGLang's words."""
     if not isinstance(value, list):
         raise ValueError(f"{where}must be list; got {type(value).__name__}")
     if value and not isinstance(value[0], int):
         raise ValueError(f"{where}elements must be int; got {type(value[0]).__name__}")
-    try:
-        return TokenIds(value)
-    except (TypeError, OverflowError):
-        pass  # not int32: int64 (too large a token id), or refused as SGLang refuses it
+    with contextlib.suppress(TypeError):  # a non-int: refused below, as SGLang does
+        packed = pack_token_ids(value)
+        if packed is not None:
+            return packed
     try:
         return array("q", value)
     except (TypeError, OverflowError) as exc:

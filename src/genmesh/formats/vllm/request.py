@@ -67,6 +67,7 @@ from genmesh.shared.envelope import (
     Routing,
     Sampling,
     TokenIds,
+    pack_token_ids,
 )
 
 FORMAT = "vllm"
@@ -354,11 +355,10 @@ def _check_token_ids(prompt: list[int], sp: SamplingParams) -> TokenIds:
     """Token ids the mesh can carry, and the prompt as a token array. vLLM checks them
     against the vocabulary, which the mesh does not know; it bounds them by the envelope's
     token id range (the schema refused negatives)."""
-    try:
-        packed = TokenIds(prompt)  # one C pass, which refuses an id beyond int32
-    except OverflowError:
+    packed = pack_token_ids(prompt)  # one C pass
+    if packed is None:
         i = next(i for i, tid in enumerate(prompt) if tid > MAX_TOKEN_ID)
-        raise _reject(f"Token id {prompt[i]} is out of vocabulary", f"token_ids.{i}") from None
+        raise _reject(f"Token id {prompt[i]} is out of vocabulary", f"token_ids.{i}")
     for name, ids in (
         ("stop_token_ids", sp.stop_token_ids or []),
         ("logit_bias", list(sp.logit_bias or {})),
