@@ -73,7 +73,7 @@ def all_below(values: Sequence[int], limit: int) -> bool:
     `limit`. An array with an entry close to `limit` or above it is settled by `max()`."""
     data = to_le_bytes(values)
     k = (limit.bit_length() - 1) // 8
-    high_bytes_zero = all(not data[j::4].strip(b"\0") for j in range(k + 1, 4))
+    high_bytes_zero = all(data[j::4].count(0) == len(values) for j in range(k + 1, 4))
     if high_bytes_zero and not data[k::4].translate(None, bytes(range(limit >> 8 * k))):
         return True
     return not values or max(values) < limit
