@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import struct
@@ -99,6 +100,8 @@ def test_token_ids_behave_as_the_list_they_replace() -> None:
     assert isinstance(joined, TokenIds)
     assert prefixed == [0, 1, 2, 3]
     assert ids == TokenIds([1, 2, 3])
+    assert isinstance(copy.deepcopy(Envelope(id="r", token_ids=ids)).token_ids, TokenIds)
+    assert isinstance(copy.copy(ids), TokenIds)
     # Built from a list (formats of other packages, tests), an envelope holds TokenIds.
     assert isinstance(Envelope(id="r", token_ids=[5, 6]).token_ids, TokenIds)  # type: ignore[arg-type]
 

@@ -133,6 +133,13 @@ class TokenIds(IntArray):
     def __radd__(self, other: Iterable[int]) -> TokenIds:
         return TokenIds(other) + self
 
+    # A copy is a TokenIds too (array's own copies are plain arrays).
+    def __copy__(self) -> TokenIds:
+        return TokenIds(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TokenIds:
+        return TokenIds(self)
+
 
 def pack_token_ids(values: list[int]) -> TokenIds | None:
     """`values` as TokenIds when every one is a token ID, checked in C (no Python int is
