@@ -547,4 +547,4 @@ class MockEngine:
                 del self._running[env.id]
             if self.cache is not None and output:
                 # The finished sequence stays cached, as a radix cache keeps it.
-                self.cache.insert([*prompt, *output])
+                self.cache.insert(prompt + output)

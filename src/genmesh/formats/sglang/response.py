@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import base64
 import time
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from genmesh.codecs.int32 import TOKENS, to_le_bytes
+from genmesh.codecs.int32 import to_le_bytes
 from genmesh.formats.base import Exchange, Record
 from genmesh.formats.merge import Rule
 from genmesh.formats.sglang.errors import error
@@ -43,7 +42,7 @@ MERGE_RULES: dict[str, Rule] = {
 
 def pack_int32(values: list[int]) -> bytes:
     """Little-endian int32, SGLang's layout for routed experts."""
-    return to_le_bytes(array(TOKENS, values))
+    return to_le_bytes(values)
 
 
 def join_base64(pieces: list[Any]) -> str:
