@@ -151,6 +151,30 @@ async def test_sse_is_incremental_and_folds_to_the_unary_body(mesh: AnyMesh) -> 
     assert meta["input_token_logprobs"] == [[None, 23, None]]
 
 
+async def test_a_32k_token_prompt_streams_through_the_mesh(mesh: AnyMesh) -> None:
+    """The prompt crosses the bus as one packed bin; the mock's answer is what it was when
+    the prompt crossed as a list (the golden tokens were computed before the change)."""
+    prompt = [(7 * i + 1) % VOCAB for i in range(32_000)]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 5},
+        "return_logprob": True,
+        "logprob_start_len": 31_990,
+        "return_prompt_token_ids": True,
+    }
+    sse = await stream(mesh.http_url + "/generate", body)
+    assert sse.status == 200, sse.raw[:300]
+    chunks = sse.events[:-1]
+    assert [t for c in chunks for t in c["output_ids"]] == [640, 885, 826, 392, 912, 751, 604, 563]
+    meta = chunks[-1]["meta_info"]
+    assert meta["prompt_tokens"] == 32_000
+    assert [lp for lp, _, _ in meta["input_token_logprobs"][:3]] == [None, -6.502, -9.867]
+    assert [tid for _, tid, _ in meta["input_token_logprobs"]] == prompt[31_990:]
+    assert all(c["prompt_token_ids"] == prompt for c in chunks)
+    expected = await reference(prompt, max_tokens=8, ignore_eos=True, seed=5)
+    assert tokens_of(expected) == [640, 885, 826, 392, 912, 751, 604, 563]
+
+
 async def test_logprobs_match_the_engine(mesh: AnyMesh) -> None:
     prompt = [40, 41, 42, 43, 44]
     body = {

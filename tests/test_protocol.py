@@ -92,6 +92,58 @@ async def test_malformed_envelopes_name_the_field(
                 assert frame["id"] == envelope["id"]
 
 
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        (b"\x01\x00\x00", "token_ids: a bin of little-endian int32 must be a multiple of 4"),
+        (b"\x01\x00\x00\x00\xff\xff\xff\xff", "token_ids[1]: expected a token id in [0, 2^31)"),
+        (b"", "token_ids: must not be empty"),
+    ],
+)
+async def test_bad_packed_prompts_name_the_field(
+    mesh: AnyMesh, nc: Client, token_ids: bytes, message: str
+) -> None:
+    data = get_codec("msgpack").encode({"v": 1, "id": "x", "token_ids": token_ids})
+    for subject in targets(mesh):
+        frame, _ = await ask(nc, subject, data)
+        assert frame["code"] == "bad_envelope", frame
+        assert frame["message"].startswith(message)
+
+
+async def test_a_packed_prompt_from_a_raw_client(mesh: AnyMesh, nc: Client) -> None:
+    """What a client in another language sends: `token_ids` as a bin of little-endian int32."""
+    packed = b"".join(t.to_bytes(4, "little") for t in (1, 2, 3))
+    listed = [f async for f in _frames(nc, mesh, {"token_ids": [1, 2, 3]})]
+    binned = [f async for f in _frames(nc, mesh, {"token_ids": packed})]
+    assert [f["tokens"] for f in binned if "tokens" in f] == [
+        f["tokens"] for f in listed if "tokens" in f
+    ]
+    assert binned[-1]["t"] == "end"
+
+
+async def _frames(nc: Client, mesh: AnyMesh, fields: dict[str, Any]) -> AsyncIterator[Any]:
+    """The frames of one raw msgpack request to the router, up to the terminal one."""
+    envelope = {"v": 1, "id": f"raw-{id(fields)}", "sampling": {"max_tokens": 4}, **fields}
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(
+            Subjects(mesh.namespace).router_generate,
+            get_codec("msgpack").encode(envelope),
+            reply=inbox,
+        )
+        while True:
+            msg = await sub.next_msg(timeout=5)
+            if not msg.data:
+                return
+            frame = get_codec("msgpack").decode(msg.data)
+            yield frame
+            if frame["t"] in ("end", "err"):
+                return
+    finally:
+        await sub.unsubscribe()
+
+
 async def test_a_request_without_reply_subject_is_dropped_harmlessly(
     mesh: AnyMesh, nc: Client
 ) -> None:

@@ -319,10 +319,11 @@ async def test_the_packed_frontend_publishes_b64zstd_and_the_plain_one_msgpack(
     packed = by_codec["b64zstd"]
     assert BASE64_TEXT.fullmatch(packed.data)
     envelope = get_codec("b64zstd").decode(packed.data)
-    assert envelope["token_ids"] == [4, 4, 4]
+    # The prompt travels packed: one bin of little-endian int32 (protocol.md §5.1).
+    assert envelope["token_ids"] == struct.pack("<3i", 4, 4, 4)
     assert envelope["format"] == "sglang"
     plain_env = msgpack.unpackb(by_codec["msgpack"].data)
-    assert plain_env["token_ids"] == [4, 4, 4]
+    assert plain_env["token_ids"] == struct.pack("<3i", 4, 4, 4)
     assert not BASE64_TEXT.fullmatch(by_codec["msgpack"].data)
 
     # The worker answered each frontend in its own codec.

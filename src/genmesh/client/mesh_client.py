@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -42,7 +42,7 @@ from genmesh.shared.bus import (
 )
 from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
-from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling
+from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling, token_array
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.subjects import Subjects
@@ -58,7 +58,7 @@ _INBOX_PENDING_BYTES = 1 << 30
 
 
 def request(
-    token_ids: list[int],
+    token_ids: Sequence[int],
     *,
     max_tokens: int | None = 16,
     min_tokens: int = 0,
@@ -72,10 +72,11 @@ def request(
     model: str | None = None,
     client_id: str | None = None,
 ) -> Envelope:
-    """A request envelope with a fresh private ID, for the common knobs."""
+    """A request envelope with a fresh private ID, for the common knobs. `token_ids` is any
+    sequence of token IDs, checked here as a worker checks them (`EnvelopeError`)."""
     return Envelope(
         id=new_request_id(),
-        token_ids=list(token_ids),
+        token_ids=token_array(list(token_ids), "token_ids"),
         format="tokens",
         model=model,
         client_id=client_id,

@@ -108,7 +108,7 @@ def continuation(
             attempt, 0, len(original.token_ids), original.sampling.max_tokens
         )
         return env
-    env.token_ids = [*original.token_ids, *delivered]
+    env.token_ids = original.token_ids + delivered
     s = env.sampling
     if s.max_tokens is not None:
         s.max_tokens = max(s.max_tokens - len(delivered), 0)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import zlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from genmesh import __version__
+from genmesh.codecs.int32 import all_below, to_le_bytes
 from genmesh.engines.base import EngineOutput, usage
 from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
 from genmesh.engines.prefix_cache import PrefixCache
@@ -66,9 +66,9 @@ def advance(state: int, token: int) -> int:
     return _chain(state, token.to_bytes(4, "little"))
 
 
-def advance_all(state: int, tokens: list[int]) -> int:
-    """`advance` over every token of `tokens`, in one pass in C."""
-    return _chain(state, struct.pack(f"<{len(tokens)}I", *tokens)) if tokens else state
+def advance_all(state: int, ids: Sequence[int]) -> int:
+    """`advance` over every token of `ids`, in one pass in C over the array's bytes."""
+    return _chain(state, to_le_bytes(ids)) if ids else state
 
 
 def prefill_ms(new_tokens: int) -> float:
@@ -323,8 +323,8 @@ class MockEngine:
                 f"The input ({prompt_len} tokens) is longer than the model's context length "
                 f"({c.max_model_len} tokens).",
             )
-        # max() in C first: a Python loop over a 32k prompt costs milliseconds.
-        if env.token_ids and max(env.token_ids) >= c.vocab_size:
+        # In C first (`all_below`): a Python loop over a 32k prompt costs milliseconds.
+        if not all_below(env.token_ids, c.vocab_size):
             i, tid = next((i, t) for i, t in enumerate(env.token_ids) if t >= c.vocab_size)
             raise MeshError(
                 ErrorCode.INVALID_ARGUMENT,

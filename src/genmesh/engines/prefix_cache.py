@@ -9,6 +9,7 @@ more than `capacity_tokens` are held.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class PrefixCache:
@@ -23,7 +24,7 @@ class PrefixCache:
         """Blocks held."""
         return len(self._blocks)
 
-    def _keys(self, tokens: list[int]) -> list[int]:
+    def _keys(self, tokens: Sequence[int]) -> list[int]:
         keys: list[int] = []
         key = 0
         size = self.block_size
@@ -33,7 +34,7 @@ class PrefixCache:
             keys.append(key)
         return keys
 
-    def lookup(self, prompt: list[int]) -> int:
+    def lookup(self, prompt: Sequence[int]) -> int:
         """How many leading tokens of `prompt` are cached. At least one prompt token is
         always computed (as in real engines: the last position's logits are needed), so
         the answer stops a block short of a prompt that is cached whole."""
@@ -48,7 +49,7 @@ class PrefixCache:
             cached = max(cached - self.block_size, 0)
         return cached
 
-    def insert(self, tokens: list[int]) -> None:
+    def insert(self, tokens: Sequence[int]) -> None:
         """Cache the whole blocks of `tokens` (a prompt, or a prompt and its output)."""
         if not self.capacity_blocks:
             return

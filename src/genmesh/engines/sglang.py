@@ -119,7 +119,7 @@ def sglang_body(env: Envelope, rid: str) -> dict[str, Any]:
         body.pop("return_routed_experts", None)
     if env.routing.dp_rank is not None:
         body["routed_dp_rank"] = env.routing.dp_rank
-    body["input_ids"] = env.token_ids
+    body["input_ids"] = list(env.token_ids)  # the engine reads JSON: one list, here
     body["rid"] = rid
     body["stream"] = True
     return body

@@ -153,7 +153,7 @@ def vllm_request(
         body["model"] = model
     else:
         body.pop("model", None)
-    body["token_ids"] = env.token_ids
+    body["token_ids"] = list(env.token_ids)  # the engine reads JSON: one list, here
     body["request_id"] = dispatch_id
     # vLLM's stream chunks carry no prompt logprobs and no reply kv_transfer_params
     # (§B.5, §C.3): a request that wants them (or is a P/D prefill leg) is unary.

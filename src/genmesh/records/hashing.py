@@ -14,24 +14,19 @@ hex digits.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+
+from genmesh.codecs.int32 import to_le_bytes
 
 ALGORITHM = "blake2b-64/int32le"
 DEFAULT_BLOCK_SIZE = 64
 DIGEST_SIZE = 8
-_SWAP = sys.byteorder != "little"
-_INT32 = next(code for code in "ihl" if array(code).itemsize == 4)
 
 
 def int32le(token_ids: Sequence[int]) -> bytes:
-    """The token IDs as little-endian int32 bytes."""
-    values = array(_INT32, token_ids)
-    if _SWAP:
-        values.byteswap()
-    return values.tobytes()
+    """The token IDs as little-endian int32 bytes (a prompt's token array in one C pass)."""
+    return to_le_bytes(token_ids)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[str]:

@@ -9,8 +9,12 @@ ignored so that newer requesters can talk to older workers.
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
+
+from genmesh.codecs.int32 import TOKENS, first_high, from_le_bytes
 
 PROTOCOL_VERSION = 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -90,8 +94,90 @@ def token_list(value: Any, where: str) -> list[int]:
     if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > MAX_TOKEN_ID):
         for i, tid in enumerate(value):
             if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid <= MAX_TOKEN_ID:
-                raise EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
+                raise _bad_token(where, i, tid)
     return value
+
+
+# An array of C ints, as mypy sees it.
+if TYPE_CHECKING:
+    IntArray: TypeAlias = array[int]
+else:  # `array` takes no subscript at run time before Python 3.12
+    IntArray = array
+
+
+class TokenIds(IntArray):
+    """A prompt: token IDs as unsigned 4-byte C ints, made from a request in one C pass and
+    carried as one bin on msgpack (`codecs/int32.py`); whatever needs a list converts once. Equal
+    to a list of the same IDs, and joined with one by `+`, as the list it replaces was
+    (a slice is a plain array)."""
+
+    __slots__ = ()
+    __hash__ = None  # mutable, as arrays and lists are
+
+    def __new__(cls, values: Iterable[int] = ()) -> TokenIds:
+        return super().__new__(cls, TOKENS, values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return self.tolist() == other
+        return array.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __add__(self, other: Iterable[int]) -> TokenIds:
+        joined = TokenIds(self)
+        joined.extend(other)
+        return joined
+
+    def __radd__(self, other: Iterable[int]) -> TokenIds:
+        return TokenIds(other) + self
+
+    # A copy is a TokenIds too (array's own copies are plain arrays).
+    def __copy__(self) -> TokenIds:
+        return TokenIds(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TokenIds:
+        return TokenIds(self)
+
+
+def pack_token_ids(values: list[int]) -> TokenIds | None:
+    """`values` as TokenIds when every one is a token ID, checked in C (no Python int is
+    made); None when one is not, for the caller to find and name in its own words. An
+    entry that is no integer raises TypeError (booleans are integers here)."""
+    try:
+        packed = TokenIds(values)  # refuses negatives and ids of 2^32 and above
+    except OverflowError:
+        return None
+    return packed if first_high(packed) is None else None
+
+
+def _bad_token(where: str, i: int, tid: int) -> EnvelopeError:
+    return EnvelopeError(f"{where}[{i}]: expected a token id in [0, 2^31), got {tid!r}")
+
+
+def token_array(value: Any, where: str) -> TokenIds:
+    """Validate a prompt: a bin of little-endian int32 (genmesh's own requesters, on
+    msgpack), a list of token IDs (JSON, and clients that send lists), or a token array
+    (in-process). Token IDs are in [0, 2^31); a bad bin is refused as a bad list is."""
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            raise EnvelopeError(
+                f"{where}: a bin of little-endian int32 must be a multiple of 4 bytes long, "
+                f"got {len(value)} bytes"
+            )
+        packed = from_le_bytes(value, TokenIds())
+        i = first_high(packed)
+        if i is not None:  # the bin carries int32: an entry with its top bit set is negative
+            raise _bad_token(where, i, packed[i] - (1 << 32))
+        return packed
+    if isinstance(value, TokenIds):
+        i = first_high(value)
+        if i is not None:
+            raise _bad_token(where, i, value[i])
+        return value
+    # A list is checked as today (which refuses booleans too), then packed.
+    return TokenIds(token_list(value, where))
 
 
 def _str_list(value: Any, where: str) -> list[str]:
@@ -265,7 +351,7 @@ class Continuation:
 @dataclass(slots=True)
 class Envelope:
     id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     format: str = ""
     model: str | None = None
     client_id: str | None = None
@@ -277,6 +363,13 @@ class Envelope:
     continuation: Continuation | None = None
     # Absolute deadline, Unix seconds; None = no deadline.
     deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        # Formats from other packages (and tests) may build envelopes from lists of ints;
+        # every consumer reads the prompt as a token array.
+        values: object = self.token_ids
+        if not isinstance(values, TokenIds):
+            self.token_ids = TokenIds(cast("Iterable[int]", values))
 
     @classmethod
     def from_wire(cls, obj: Any) -> Envelope:
@@ -290,7 +383,7 @@ class Envelope:
             raise EnvelopeError("id: required, a non-empty string")
         if "token_ids" not in obj:
             raise EnvelopeError("token_ids: required")
-        token_ids = token_list(obj["token_ids"], "token_ids")
+        token_ids = token_array(obj["token_ids"], "token_ids")
         if not token_ids:
             raise EnvelopeError("token_ids: must not be empty")
         continuation = _map(obj, "continuation")

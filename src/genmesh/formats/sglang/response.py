@@ -7,16 +7,17 @@ is a running total; `input_token_logprobs` is repeated in full on every chunk.
 from __future__ import annotations
 
 import base64
-import sys
 import time
-from array import array
+from collections.abc import Sequence
 from typing import Any
 
+from genmesh.codecs.int32 import to_le_bytes
 from genmesh.formats.base import Exchange, Record
 from genmesh.formats.merge import Rule
 from genmesh.formats.sglang.errors import error
 from genmesh.formats.sglang.request import ItemOptions, SglangOptions
 from genmesh.shared import frames
+from genmesh.shared.envelope import TokenIds
 from genmesh.shared.errors import MeshError
 
 MERGE_RULES: dict[str, Rule] = {
@@ -39,15 +40,9 @@ MERGE_RULES: dict[str, Rule] = {
 }
 
 
-assert array("i").itemsize == 4, "routed experts need a 4-byte C int"
-
-
 def pack_int32(values: list[int]) -> bytes:
     """Little-endian int32, SGLang's layout for routed experts."""
-    packed = array("i", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
+    return to_le_bytes(values)
 
 
 def join_base64(pieces: list[Any]) -> str:
@@ -72,7 +67,7 @@ def native_finish_reason(finish: frames.Finish, max_new_tokens: int | None) -> d
     }
 
 
-def _triples(logprobs: list[Any], tokens: list[int]) -> list[list[Any]]:
+def _triples(logprobs: list[Any], tokens: Sequence[int]) -> list[list[Any]]:
     return [[lp, tid, None] for lp, tid in zip(logprobs, tokens, strict=True)]
 
 
@@ -91,13 +86,16 @@ class _Item:
         "input_top_logprobs",
         "opts",
         "prompt",
+        "prompt_list",
         "public_id",
     )
 
-    def __init__(self, opts: ItemOptions, public_id: str, prompt: list[int]) -> None:
+    def __init__(self, opts: ItemOptions, public_id: str, prompt: TokenIds) -> None:
         self.opts = opts
         self.public_id = public_id
         self.prompt = prompt
+        # The prompt as a list, made once, and only when a record echoes it.
+        self.prompt_list: list[int] | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.input_logprobs: list[Any] = []
@@ -107,7 +105,7 @@ class _Item:
 
 class SglangExchange(Exchange):
     def __init__(
-        self, options: SglangOptions, public_id: str, prompts: list[list[int]], received_at: float
+        self, options: SglangOptions, public_id: str, prompts: list[TokenIds], received_at: float
     ) -> None:
         self.multi = options.multi
         self.received_at = received_at
@@ -165,7 +163,9 @@ class SglangExchange(Exchange):
         record: Record = {"output_ids": tokens, "meta_info": meta}
         if opts.return_prompt_token_ids:
             # SGLang adds the prompt to every output of such a request.
-            record["prompt_token_ids"] = item.prompt
+            if item.prompt_list is None:
+                item.prompt_list = item.prompt.tolist()
+            record["prompt_token_ids"] = item.prompt_list
         return record
 
     def new_attempt(self, index: int) -> None:

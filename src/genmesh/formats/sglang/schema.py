@@ -15,6 +15,7 @@ refused with the message SGLang's `SamplingParams(**params)` raises.
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -22,25 +23,31 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, PlainValidator, TypeAdapter, ValidationError
 
 from genmesh.formats.fastapi import body_errors
+from genmesh.shared.envelope import IntArray, pack_token_ids
 
 Json = dict[str, Any]
 
 
-def _i64_row(value: Any, where: str = "") -> list[int]:
+def _i64_row(value: Any, where: str = "") -> IntArray:
     """One prompt: a list of int64 token ids (SGLang checks the first entry, then packs the
-    list into a C int64 array, which is what refuses any other entry)."""
+    list into a C int64 array, which is what refuses any other entry). Packed here once, in
+    C: as TokenIds when every entry is a token id, which is every prompt the mesh can
+    carry; else as the int64 array, which `request._prompts` refuses in SGLang's words."""
     if not isinstance(value, list):
         raise ValueError(f"{where}must be list; got {type(value).__name__}")
     if value and not isinstance(value[0], int):
         raise ValueError(f"{where}elements must be int; got {type(value[0]).__name__}")
+    with contextlib.suppress(TypeError):  # a non-int: refused below, as SGLang does
+        packed = pack_token_ids(value)
+        if packed is not None:
+            return packed
     try:
-        array("q", value)
+        return array("q", value)
     except (TypeError, OverflowError) as exc:
         raise ValueError(f"{where}contains non-int64 element: {exc}") from None
-    return value
 
 
-def input_ids_type(value: Any) -> list[int] | list[list[int]] | None:
+def input_ids_type(value: Any) -> IntArray | list[IntArray] | None:
     """`input_ids`: null, one prompt, or a batch of prompts (SGLang's C-loop validator)."""
     if value is None:
         return None
@@ -49,9 +56,7 @@ def input_ids_type(value: Any) -> list[int] | list[list[int]] | None:
     if not value or isinstance(value[0], int):
         return _i64_row(value)
     if isinstance(value[0], list):
-        for i, row in enumerate(value):
-            _i64_row(row, f"row {i}: ")
-        return value
+        return [_i64_row(row, f"row {i}: ") for i, row in enumerate(value)]
     raise ValueError(f"elements must be int or list; got {type(value[0]).__name__}")
 
 
@@ -66,7 +71,7 @@ class GenerateReqInput:
     rid: str | list[str] | None = None
     session_id: str | None = None
     text: list[str] | str | None = None
-    input_ids: Annotated[list[list[int]] | list[int] | None, PlainValidator(input_ids_type)] = None
+    input_ids: Annotated[list[IntArray] | IntArray | None, PlainValidator(input_ids_type)] = None
     input_embeds: list[list[list[float]]] | list[list[float]] | None = None
     image_data: _Multimodal | None = None
     video_data: _Multimodal | None = None

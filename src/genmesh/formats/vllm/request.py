@@ -66,6 +66,8 @@ from genmesh.shared.envelope import (
     OutputOptions,
     Routing,
     Sampling,
+    TokenIds,
+    pack_token_ids,
 )
 
 FORMAT = "vllm"
@@ -349,10 +351,12 @@ def _logprobs(sp: SamplingParams, info: EngineInfo | None) -> tuple[int | None, 
     return resolved[0], resolved[1]
 
 
-def _check_token_ids(prompt: list[int], sp: SamplingParams) -> None:
-    """Token ids the mesh can carry. vLLM checks them against the vocabulary, which
-    the mesh does not know; it bounds them by the envelope's token id range."""
-    if max(prompt) > MAX_TOKEN_ID:  # max() first: the prompt is the long list
+def _check_token_ids(prompt: list[int], sp: SamplingParams) -> TokenIds:
+    """Token ids the mesh can carry, and the prompt as a token array. vLLM checks them
+    against the vocabulary, which the mesh does not know; it bounds them by the envelope's
+    token id range (the schema refused negatives)."""
+    packed = pack_token_ids(prompt)  # one C pass
+    if packed is None:
         i = next(i for i, tid in enumerate(prompt) if tid > MAX_TOKEN_ID)
         raise _reject(f"Token id {prompt[i]} is out of vocabulary", f"token_ids.{i}")
     for name, ids in (
@@ -368,6 +372,7 @@ def _check_token_ids(prompt: list[int], sp: SamplingParams) -> None:
             raise _reject("allowed_token_ids is not None and empty!", "allowed_token_ids")
         if any(not 0 <= t <= MAX_TOKEN_ID for t in sp.allowed_token_ids):
             raise _reject("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+    return packed
 
 
 def _max_tokens(
@@ -462,8 +467,7 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
     native = {k: v for k, v in body.items() if k not in _NOT_FORWARDED}
     _check_wire_ints(native)
     _refuse_what_this_server_cannot_do(req, sp)
-    prompt = req.token_ids
-    _check_token_ids(prompt, sp)
+    prompt = _check_token_ids(req.token_ids, sp)
     info = engines.get(req.model)
     # The serving layer settles max_tokens; the engine's SamplingParams.verify then checks
     # the logprob counts: vLLM refuses in that order.

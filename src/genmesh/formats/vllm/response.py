@@ -25,12 +25,14 @@ engine (the frame's engine metadata, merged key by key, last wins)}`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from genmesh.formats.base import Exchange, Record
 from genmesh.formats.merge import Rule
 from genmesh.formats.vllm.request import RESPONSE_ID_PREFIX, VllmOptions, error
 from genmesh.shared import frames
+from genmesh.shared.envelope import TokenIds
 from genmesh.shared.errors import ErrorCode, MeshError
 
 MERGE_RULES: dict[str, Rule] = {
@@ -129,7 +131,7 @@ def logprob_content(frame: frames.OutputFrame, tokens: list[int], k: int) -> lis
     return content
 
 
-def prompt_logprobs(frame: frames.OutputFrame, prompt: list[int], k: int) -> list[Any]:
+def prompt_logprobs(frame: frames.OutputFrame, prompt: Sequence[int], k: int) -> list[Any]:
     """vLLM's `prompt_logprobs`: one entry per prompt position, entry 0 null; each entry
     maps the prompt token, then its top-k alternatives, to `{logprob, rank,
     decoded_token}`. Lists shorter than the prompt are aligned to its end (positions
@@ -196,7 +198,7 @@ class _Item:
 
 
 class VllmExchange(Exchange):
-    def __init__(self, options: VllmOptions, public_id: str, prompt: list[int], count: int) -> None:
+    def __init__(self, options: VllmOptions, public_id: str, prompt: TokenIds, count: int) -> None:
         self.options = options
         self.request_id = RESPONSE_ID_PREFIX + public_id
         self.prompt = prompt
@@ -285,7 +287,7 @@ class VllmExchange(Exchange):
             chunk["prompt_logprobs"] = record["prompt_logprobs"]
         if self.prompt_ids_pending:
             self.prompt_ids_pending = False
-            chunk["prompt_token_ids"] = self.prompt
+            chunk["prompt_token_ids"] = self.prompt.tolist()
         if isinstance(engine, dict):
             for key in TOP_LEVEL_METADATA:
                 if engine.get(key) is not None:
@@ -315,7 +317,7 @@ class VllmExchange(Exchange):
             "kv_transfer_params": None,
         }
         if self.options.return_token_ids:
-            out["prompt_token_ids"] = self.prompt
+            out["prompt_token_ids"] = self.prompt.tolist()
         for key in TOP_LEVEL_METADATA:
             for record in items:
                 engine = record.get("engine")

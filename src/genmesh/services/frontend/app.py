@@ -17,7 +17,7 @@ from genmesh.services.frontend.generate import GenerateHandler
 from genmesh.services.frontend.info import add_info_routes
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
-from genmesh.shared.envelope import Envelope, Sampling
+from genmesh.shared.envelope import Envelope, Sampling, TokenIds
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.lifecycle import PID_HEADER
 from genmesh.shared.metrics import METRICS_PATH, metrics_handler
@@ -70,7 +70,7 @@ async def health_generate(request: web.Request) -> web.Response:
         return web.Response(status=503, text=reason)
     envelope = Envelope(
         id=new_request_id(),
-        token_ids=[0],
+        token_ids=TokenIds([0]),
         format="sglang",
         client_id="HEALTH_CHECK",
         sampling=Sampling(max_tokens=1, temperature=0.0),
