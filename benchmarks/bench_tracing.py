@@ -1,23 +1,30 @@
 """What OpenTelemetry tracing costs the mesh: CPU per request with tracing on against off.
 
-    .venv/bin/python benchmarks/bench_tracing.py [--requests 3000] [--repeats 3]
+    .venv/bin/python benchmarks/bench_tracing.py [--requests 2000] [--repeats 7]
         [--concurrency 8] [--bsp-delay-ms 5000] [--base-python /work/wt-base/.venv/bin/python]
 
 Two meshes side by side on one nats-server, in one run: `off` (no OTEL_* variables: the
 API's no-op tracer) and `on` (OTEL_TRACES_EXPORTER=otlp to an OTLP/HTTP receiver in this
-process that accepts and drops every batch), each 1 router, 1 instant mock worker and 1
-frontend. A closed loop of `--concurrency` clients sends `--requests` SGLang requests
-(32-token prompt, 16 tokens, half SSE, half unary) to each mesh in turn, `--repeats` times,
-alternating. Spans are exported as the SDK does by default (a batch every 5 s, or as soon
-as 512 spans wait); `--bsp-delay-ms 200` exports five times a second, which costs more
-(each export is an HTTP request). The figure is the CPU (user + system, from
-/proc/<pid>/stat) of the mesh's three processes per request, median over the repeats, and
-each process's share. The receiver and the load generator run in this process and are not
-counted.
+process that counts the spans of every batch and drops it), each 1 router, 1 instant mock
+worker and 1 frontend. A closed loop of `--concurrency` clients sends `--requests` SGLang
+requests (32-token prompt, 16 tokens, half SSE, half unary) to each mesh in turn,
+`--repeats` times; each repeat is a pair, run off-then-on and on-then-off alternately.
+
+What is counted (user + system CPU from /proc, 10 ms ticks), per request and per process
+(frontend, router, worker, and the nats-server while that mesh ran): each process's
+event-loop thread over the run, and its other threads (the span export thread) over the
+run and until the receiver has every span of the run. Spans are exported as the SDK does
+by default (a batch every 5 s, or as soon as 512 spans wait), so up to a batch of them
+goes out after the run: counting them is what makes every span's export count once.
+`--bsp-delay-ms 200` exports five times a second, which costs more (each export is an HTTP
+request). The figure is the median of the per-pair differences (on minus off), with their
+spread, and by process; the receiver and the load generator run in this process and are
+not counted.
 
 `--base-python` adds the same two meshes run by another interpreter (another checkout's
 virtualenv, say the main branch's), so a change is measured A/B in the same run, on the
-same machine load, with the same load generator.
+same machine load, with the same load generator: also the median of the per-pair
+differences between the two trees' traced meshes.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -43,11 +51,21 @@ from genmesh.testkit.common import serving
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROMPT = [(7 * i + 1) % 50_000 for i in range(32)]
+SPANS_PER_REQUEST = 2  # frontend and worker (the frontend routes: the router makes none)
+ROLES = ("frontend", "router", "worker", "nats")
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+def _ticks(stat: str) -> int:
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """CPU seconds of `pid`'s main (event-loop) thread and of its other threads (the
+    process's own line counts every thread it had, the ones that ended included)."""
+    main = _ticks(Path(f"/proc/{pid}/task/{pid}/stat").read_text())
+    total = _ticks(Path(f"/proc/{pid}/stat").read_text())
+    return main / CLK_TCK, (total - main) / CLK_TCK
 
 
 async def load(url: str, requests: int, concurrency: int) -> int:
@@ -91,83 +109,170 @@ def start_mesh(
     return mesh
 
 
+def spread(values: list[float]) -> str:
+    """A median with its range, in µs."""
+    return (
+        f"{statistics.median(values) * 1e3:+.0f} us "
+        f"({min(values) * 1e3:+.0f} .. {max(values) * 1e3:+.0f})"
+    )
+
+
 async def main(args: argparse.Namespace) -> None:
-    received = 0
+    received: dict[str, int] = {}  # spans, by mesh
 
     async def sink(request: web.Request) -> web.Response:
-        nonlocal received
-        await request.read()
-        received += 1
+        batch = ExportTraceServiceRequest.FromString(await request.read())
+        name = request.match_info["mesh"]
+        received[name] = received.get(name, 0) + sum(
+            len(scope.spans) for resource in batch.resource_spans for scope in resource.scope_spans
+        )
         return web.Response(content_type="application/x-protobuf")
 
     receiver = web.Application()
-    receiver.router.add_post("/v1/traces", sink)
+    receiver.router.add_post("/{mesh}/v1/traces", sink)
     server = NatsServer()
     nats_url = server.start()
+    assert server.pid is not None
     workdir = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     meshes: dict[str, Mesh] = {}
-    async with serving(receiver, port=free_port()) as receiver_url:
+    sent: dict[str, int] = {}  # requests, by mesh
+
+    async def settle(name: str) -> None:
+        """Until the receiver has every span of the mesh's requests (traced meshes)."""
+        if not name.endswith("on"):
+            return
+        deadline = time.monotonic() + args.bsp_delay_ms / 1e3 + 5
+        while received.get(name, 0) < SPANS_PER_REQUEST * sent[name]:
+            if time.monotonic() > deadline:
+                print(
+                    f"  {name}: {received.get(name, 0)} spans of "
+                    f"{SPANS_PER_REQUEST * sent[name]} arrived",
+                    file=sys.stderr,
+                )
+                return
+            await asyncio.sleep(0.05)
+
+    async with serving(receiver, port=free_port()) as endpoint:
         try:
-            on_env = {
-                "OTEL_TRACES_EXPORTER": "otlp",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver_url,
-                "OTEL_BSP_SCHEDULE_DELAY": str(args.bsp_delay_ms),
-            }
             pythons = {"": None}
             if args.base_python:
                 pythons["base-"] = args.base_python
             for prefix, python in pythons.items():
-                meshes[prefix + "off"] = start_mesh(nats_url, workdir, prefix + "off", {}, python)
-                meshes[prefix + "on"] = start_mesh(nats_url, workdir, prefix + "on", on_env, python)
-            for mesh in meshes.values():
-                await load(mesh.http_url, 200, args.concurrency)  # warm-up
-            results: dict[str, list[float]] = {name: [] for name in meshes}
-            shares: dict[str, dict[str, list[float]]] = {name: {} for name in meshes}
-            for repeat in range(args.repeats):
-                order = list(meshes) if repeat % 2 == 0 else list(reversed(meshes))
-                for name in order:
-                    mesh = meshes[name]
-                    roles = {s.role: s.pid for s in mesh.services}
-                    before = {role: cpu_s(pid) for role, pid in roles.items()}
-                    started = time.perf_counter()
-                    errors = await load(mesh.http_url, args.requests, args.concurrency)
-                    wall = time.perf_counter() - started
-                    await asyncio.sleep(0.5)  # let the span batches go out
-                    for role, pid in roles.items():
-                        share = (cpu_s(pid) - before[role]) / args.requests * 1e3
-                        shares[name].setdefault(role, []).append(share)
-                    per = sum(shares[name][role][-1] for role in roles)
-                    results[name].append(per)
+                for state in ("off", "on"):
+                    name = prefix + state
+                    env = {}
+                    if state == "on":  # each traced mesh to its own path: spans by mesh
+                        env = {
+                            "OTEL_TRACES_EXPORTER": "otlp",
+                            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint + f"/{name}/v1/traces",
+                            "OTEL_BSP_SCHEDULE_DELAY": str(args.bsp_delay_ms),
+                        }
+                    meshes[name] = start_mesh(nats_url, workdir, name, env, python)
+            # CPU ms per request, by mesh, by process, one list entry per repeat.
+            shares: dict[str, dict[str, list[float]]] = {
+                name: {role: [] for role in ROLES} for name in meshes
+            }
+            exports: dict[str, list[float]] = {name: [] for name in meshes}  # other threads
+            marks: dict[str, dict[str, float]] = {}  # their CPU s at the last checkpoint
+            notes: dict[str, str] = {}  # the last run's, printed once it is counted
+
+            def pids(name: str) -> dict[str, int]:
+                return {s.role: s.pid for s in meshes[name].services}
+
+            async def checkpoint(name: str) -> None:
+                """Once every span of the mesh's last run has arrived, count what its
+                processes' other threads (the export) spent since that run started."""
+                await settle(name)
+                now = {role: cpu_split(pid)[1] for role, pid in pids(name).items()}
+                if name in notes:
+                    for role, seconds in now.items():
+                        share = (seconds - marks[name][role]) / args.requests * 1e3
+                        shares[name][role][-1] += share
+                        exports[name][-1] += share
+                    total = sum(values[-1] for values in shares[name].values())
                     print(
-                        f"  {name:<9} run {repeat + 1}: {per:.3f} ms CPU/request, "
-                        f"{args.requests / wall:.0f} req/s, {errors} errors",
+                        f"  {name:<9} {notes.pop(name)}: {total:.3f} ms CPU/request "
+                        f"(threads off the loop {exports[name][-1]:.3f})",
                         file=sys.stderr,
                     )
+                marks[name] = now
+
+            for name, mesh in meshes.items():
+                await load(mesh.http_url, 200, args.concurrency)  # warm-up
+                sent[name] = 200
+            for repeat in range(args.repeats):
+                # Both orders: off, on, base-off, base-on, then the reverse.
+                order = list(meshes) if repeat % 2 == 0 else list(reversed(meshes))
+                for name in order:
+                    await checkpoint(name)
+                    running = pids(name) | {"nats": server.pid}
+                    before = {role: cpu_split(pid) for role, pid in running.items()}
+                    started = time.perf_counter()
+                    errors = await load(meshes[name].http_url, args.requests, args.concurrency)
+                    wall = time.perf_counter() - started
+                    after = {role: cpu_split(pid) for role, pid in running.items()}
+                    sent[name] += args.requests
+                    for role in ROLES:  # the event loop's (nats-server's: all) in the run
+                        spent = after[role][0] - before[role][0]
+                        if role == "nats":
+                            spent += after[role][1] - before[role][1]
+                        shares[name][role].append(spent / args.requests * 1e3)
+                    exports[name].append(0.0)
+                    notes[name] = (
+                        f"run {repeat + 1}, {args.requests / wall:.0f} req/s, {errors} errors"
+                    )
+            for name in meshes:
+                await checkpoint(name)
         finally:
             for mesh in meshes.values():
                 mesh.stop()
             server.stop()
+
+    def totals(name: str) -> list[float]:
+        return [sum(values) for values in zip(*shares[name].values(), strict=True)]
+
+    def diffs(a: list[float], b: list[float]) -> list[float]:
+        return [y - x for x, y in zip(a, b, strict=True)]
+
     print(
         f"tracing: {args.requests} requests/run (16 tokens, half SSE), concurrency "
-        f"{args.concurrency}, median of {args.repeats}; mesh CPU = frontend + router + worker"
+        f"{args.concurrency}, {args.repeats} pairs in both orders; CPU ms per request, "
+        "medians; mesh = frontend + router + worker + nats-server"
     )
     for prefix in pythons:
-        off, on = (statistics.median(results[prefix + k]) for k in ("off", "on"))
         tree = sys.executable if not prefix else pythons[prefix]
         print(f"  {tree}")
-        for k in ("off", "on"):
+        for state in ("off", "on"):
+            name = prefix + state
             split = ", ".join(
-                f"{role} {statistics.median(v):.3f}" for role, v in shares[prefix + k].items()
+                f"{role} {statistics.median(values):.3f}" for role, values in shares[name].items()
             )
-            print(f"    tracing {k:<3} {statistics.median(results[prefix + k]):.3f} ms ({split})")
-        print(f"    added by tracing: +{(on - off) * 1e3:.0f} us/request ({on / off:.2f}x)")
-    print(f"  span batches received: {received}")
+            print(
+                f"    tracing {state:<3} {statistics.median(totals(name)):.3f} ms ({split}; "
+                f"threads off the loop {statistics.median(exports[name]):.3f})"
+            )
+        off, on = prefix + "off", prefix + "on"
+        print(
+            f"    added by tracing (on - off, per pair): {spread(diffs(totals(off), totals(on)))}"
+        )
+        by_role = ", ".join(
+            f"{role} {statistics.median(diffs(shares[off][role], shares[on][role])) * 1e3:+.0f}"
+            for role in ROLES
+        )
+        print(f"      by process (us): {by_role}")
+    if args.base_python:
+        print(
+            "  this tree - base, per pair: tracing on "
+            f"{spread(diffs(totals('base-on'), totals('on')))}, tracing off "
+            f"{spread(diffs(totals('base-off'), totals('off')))}"
+        )
+    print(f"  spans received: {sum(received.values())} (by mesh: {received})")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7, help="pairs of runs (off, on)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
         "--bsp-delay-ms",
