@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from genmesh.shared import tracing
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.otlp import encode_spans
 from genmesh.shared.spans import MAX_EVENTS, LightSpan, LightTracer, LightTracerProvider
+from tests.mesh import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -274,6 +276,35 @@ def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         gate.set()
         provider.shutdown()
     assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 4
+
+
+def test_spans_that_end_during_an_export_wait_for_a_full_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the SDK's batch processor: a full batch wakes the thread, which then exports
+    full batches only (not the few spans that ended while it was exporting)."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    gate = threading.Event()
+    exporter = Memory(gate)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    tracer = provider.get_tracer("genmesh")
+    try:
+        for _ in range(4):
+            tracer.start_span("first").end()
+        assert exporter.exporting.wait(10)
+        for _ in range(2):  # while the first batch is out
+            tracer.start_span("second").end()
+        gate.set()
+        wait_until(lambda: len(exporter.spans) == 4)
+        time.sleep(0.2)  # time enough for the thread to export the two, if it would
+        assert len(exporter.spans) == 4
+        for _ in range(2):  # now a full batch waits
+            tracer.start_span("third").end()
+        wait_until(lambda: len(exporter.spans) == 8)
+    finally:
+        provider.shutdown()
+    assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 2 + ["third"] * 2
 
 
 def test_shutdown_exports_what_is_left(memory: tuple[LightTracer, Memory]) -> None:
