@@ -3,28 +3,30 @@
     .venv/bin/python benchmarks/bench_tracing.py [--requests 2000] [--repeats 7]
         [--concurrency 8] [--bsp-delay-ms 5000] [--base-python /work/wt-base/.venv/bin/python]
 
-Two meshes side by side on one nats-server, in one run: `off` (no OTEL_* variables: the
-API's no-op tracer) and `on` (OTEL_TRACES_EXPORTER=otlp to an OTLP/HTTP receiver in this
-process that counts the spans of every batch and drops it), each 1 router, 1 instant mock
-worker and 1 frontend. A closed loop of `--concurrency` clients sends `--requests` SGLang
-requests (32-token prompt, 16 tokens, half SSE, half unary) to each mesh in turn,
-`--repeats` times; each repeat is a pair, run off-then-on and on-then-off alternately.
+Two meshes side by side, in one run: `off` (no OTEL_* variables: the API's no-op tracer)
+and `on` (OTEL_TRACES_EXPORTER=otlp to an OTLP/HTTP receiver in this process that counts
+the spans of every batch and drops it), each its own nats-server, 1 router, 1 instant mock
+worker and 1 frontend. Each of `--repeats` runs loads every mesh at once, each with its
+own closed loop of `--concurrency` clients (SGLang requests: 32-token prompt, 16 tokens,
+half SSE, half unary), until one mesh has answered `--requests`: the meshes share the
+machine in the same seconds, so what else runs on it weighs on all of them alike (run one
+after the other, on a shared machine, the pairs differed by up to ±0.6 ms).
 
-What is counted (user + system CPU from /proc, 10 ms ticks), per request and per process
-(frontend, router, worker, and the nats-server while that mesh ran): each process's
-event-loop thread over the run, and its other threads (the span export thread) over the
-run and until the receiver has every span of the run. Spans are exported as the SDK does
-by default (a batch every 5 s, or as soon as 512 spans wait), so up to a batch of them
-goes out after the run: counting them is what makes every span's export count once.
-`--bsp-delay-ms 200` exports five times a second, which costs more (each export is an HTTP
-request). The figure is the median of the per-pair differences (on minus off), with their
-spread, and by process; the receiver and the load generator run in this process and are
-not counted.
+What is counted (user + system CPU from /proc, 10 ms ticks), per answered request and per
+process (frontend, router, worker, the mesh's nats-server): each process's event-loop
+thread over the run, and its other threads (the span export thread) from the start of the
+run until the receiver has every span of it. Spans are exported as the SDK does by default
+(a batch every 5 s, or as soon as 512 spans wait), so up to a batch of them goes out after
+the run: counting them is what makes every span's export count once. `--bsp-delay-ms 200`
+exports five times a second, which costs more (each export is an HTTP request). The
+figure is the median over the runs of the difference within each run (on minus off), with
+its range, and by process; the receiver and the load generator run in this process and
+are not counted.
 
 `--base-python` adds the same two meshes run by another interpreter (another checkout's
-virtualenv, say the main branch's), so a change is measured A/B in the same run, on the
-same machine load, with the same load generator: also the median of the per-pair
-differences between the two trees' traced meshes.
+virtualenv, say the main branch's), in the same runs: a change measured A/B on the same
+machine load with the same load generator, as the median of the differences within each
+run between the two trees' traced (and untraced) meshes.
 """
 
 from __future__ import annotations
@@ -68,26 +70,31 @@ def cpu_split(pid: int) -> tuple[float, float]:
     return main / CLK_TCK, (total - main) / CLK_TCK
 
 
-async def load(url: str, requests: int, concurrency: int) -> int:
-    errors = 0
-    remaining = requests
+async def load(url: str, requests: int, concurrency: int, done: asyncio.Event) -> int:
+    """Requests to `url` until `requests` are answered, or `done` is set (another mesh of
+    the run got there first; then the requests in flight finish); sets `done`. The count
+    of answered requests."""
+    issued = answered = 0
 
     async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal remaining, errors
-        while remaining > 0:
-            remaining -= 1
+        nonlocal issued, answered
+        while issued < requests and not done.is_set():
+            issued += 1
             body = {
                 "input_ids": PROMPT,
                 "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
-                "stream": remaining % 2 == 0,
+                "stream": issued % 2 == 0,
             }
             async with session.post(url + "/generate", json=body) as r:
                 await r.read()
-                errors += r.status != 200
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
+            answered += 1
+        done.set()
 
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    return errors
+    return answered
 
 
 def start_mesh(
@@ -130,12 +137,10 @@ async def main(args: argparse.Namespace) -> None:
 
     receiver = web.Application()
     receiver.router.add_post("/{mesh}/v1/traces", sink)
-    server = NatsServer()
-    nats_url = server.start()
-    assert server.pid is not None
     workdir = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
+    servers: dict[str, NatsServer] = {}  # each mesh its own: its CPU is the mesh's
     meshes: dict[str, Mesh] = {}
-    sent: dict[str, int] = {}  # requests, by mesh
+    sent: dict[str, int] = {}  # answered requests, by mesh
 
     async def settle(name: str) -> None:
         """Until the receiver has every span of the mesh's requests (traced meshes)."""
@@ -167,8 +172,10 @@ async def main(args: argparse.Namespace) -> None:
                             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint + f"/{name}/v1/traces",
                             "OTEL_BSP_SCHEDULE_DELAY": str(args.bsp_delay_ms),
                         }
+                    servers[name] = NatsServer()
+                    nats_url = servers[name].start()
                     meshes[name] = start_mesh(nats_url, workdir, name, env, python)
-            # CPU ms per request, by mesh, by process, one list entry per repeat.
+            # CPU ms per request, by mesh, by process, one list entry per run.
             shares: dict[str, dict[str, list[float]]] = {
                 name: {role: [] for role in ROLES} for name in meshes
             }
@@ -177,16 +184,18 @@ async def main(args: argparse.Namespace) -> None:
             notes: dict[str, str] = {}  # the last run's, printed once it is counted
 
             def pids(name: str) -> dict[str, int]:
-                return {s.role: s.pid for s in meshes[name].services}
+                found = {s.role: s.pid for s in meshes[name].services}
+                found["nats"] = servers[name].pid or 0
+                return found
 
-            async def checkpoint(name: str) -> None:
+            async def checkpoint(name: str, answered: int) -> None:
                 """Once every span of the mesh's last run has arrived, count what its
                 processes' other threads (the export) spent since that run started."""
                 await settle(name)
                 now = {role: cpu_split(pid)[1] for role, pid in pids(name).items()}
                 if name in notes:
-                    for role, seconds in now.items():
-                        share = (seconds - marks[name][role]) / args.requests * 1e3
+                    for role in ROLES[:-1]:  # nats-server's are counted with its main
+                        share = (now[role] - marks[name][role]) / answered * 1e3
                         shares[name][role][-1] += share
                         exports[name][-1] += share
                     total = sum(values[-1] for values in shares[name].values())
@@ -197,36 +206,49 @@ async def main(args: argparse.Namespace) -> None:
                     )
                 marks[name] = now
 
+            warm = asyncio.Event()  # (each mesh does all 200)
             for name, mesh in meshes.items():
-                await load(mesh.http_url, 200, args.concurrency)  # warm-up
-                sent[name] = 200
-            for repeat in range(args.repeats):
-                # Both orders: off, on, base-off, base-on, then the reverse.
-                order = list(meshes) if repeat % 2 == 0 else list(reversed(meshes))
-                for name in order:
-                    await checkpoint(name)
-                    running = pids(name) | {"nats": server.pid}
-                    before = {role: cpu_split(pid) for role, pid in running.items()}
-                    started = time.perf_counter()
-                    errors = await load(meshes[name].http_url, args.requests, args.concurrency)
-                    wall = time.perf_counter() - started
-                    after = {role: cpu_split(pid) for role, pid in running.items()}
-                    sent[name] += args.requests
-                    for role in ROLES:  # the event loop's (nats-server's: all) in the run
-                        spent = after[role][0] - before[role][0]
-                        if role == "nats":
-                            spent += after[role][1] - before[role][1]
-                        shares[name][role].append(spent / args.requests * 1e3)
-                    exports[name].append(0.0)
-                    notes[name] = (
-                        f"run {repeat + 1}, {args.requests / wall:.0f} req/s, {errors} errors"
+                sent[name] = await load(mesh.http_url, 200, args.concurrency, warm)
+                warm.clear()
+            answered: dict[str, int] = {}
+            for run in range(args.repeats):
+                for name in meshes:
+                    await checkpoint(name, answered.get(name, 1))
+                # Every mesh at once, each with its own clients: they share the machine
+                # in the same seconds, so what others do on it weighs on all alike.
+                order = list(meshes) if run % 2 == 0 else list(reversed(meshes))
+                before = {
+                    name: {r: cpu_split(pid) for r, pid in pids(name).items()} for name in order
+                }
+                done = asyncio.Event()
+                started = time.perf_counter()
+                counts = await asyncio.gather(
+                    *(
+                        load(meshes[n].http_url, args.requests, args.concurrency, done)
+                        for n in order
                     )
+                )
+                wall = time.perf_counter() - started
+                after = {
+                    name: {r: cpu_split(pid) for r, pid in pids(name).items()} for name in order
+                }
+                for name, count in zip(order, counts, strict=True):
+                    answered[name] = count
+                    sent[name] += count
+                    for role in ROLES:  # the event loop's (nats-server's: all) in the run
+                        spent = after[name][role][0] - before[name][role][0]
+                        if role == "nats":
+                            spent += after[name][role][1] - before[name][role][1]
+                        shares[name][role].append(spent / count * 1e3)
+                    exports[name].append(0.0)
+                    notes[name] = f"run {run + 1}, {count / wall:.0f} req/s"
             for name in meshes:
-                await checkpoint(name)
+                await checkpoint(name, answered[name])
         finally:
             for mesh in meshes.values():
                 mesh.stop()
-            server.stop()
+            for server in servers.values():
+                server.stop()
 
     def totals(name: str) -> list[float]:
         return [sum(values) for values in zip(*shares[name].values(), strict=True)]
@@ -236,8 +258,8 @@ async def main(args: argparse.Namespace) -> None:
 
     print(
         f"tracing: {args.requests} requests/run (16 tokens, half SSE), concurrency "
-        f"{args.concurrency}, {args.repeats} pairs in both orders; CPU ms per request, "
-        "medians; mesh = frontend + router + worker + nats-server"
+        f"{args.concurrency} per mesh, {args.repeats} runs of all meshes at once; CPU ms per "
+        "request, medians; mesh = frontend + router + worker + its nats-server"
     )
     for prefix in pythons:
         tree = sys.executable if not prefix else pythons[prefix]
@@ -253,7 +275,7 @@ async def main(args: argparse.Namespace) -> None:
             )
         off, on = prefix + "off", prefix + "on"
         print(
-            f"    added by tracing (on - off, per pair): {spread(diffs(totals(off), totals(on)))}"
+            f"    added by tracing (on - off in each run): {spread(diffs(totals(off), totals(on)))}"
         )
         by_role = ", ".join(
             f"{role} {statistics.median(diffs(shares[off][role], shares[on][role])) * 1e3:+.0f}"
@@ -262,7 +284,7 @@ async def main(args: argparse.Namespace) -> None:
         print(f"      by process (us): {by_role}")
     if args.base_python:
         print(
-            "  this tree - base, per pair: tracing on "
+            "  this tree - base, within a run: tracing on "
             f"{spread(diffs(totals('base-on'), totals('on')))}, tracing off "
             f"{spread(diffs(totals('base-off'), totals('off')))}"
         )
@@ -272,7 +294,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=7, help="pairs of runs (off, on)")
+    parser.add_argument("--repeats", type=int, default=7, help="runs (every mesh at once)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
         "--bsp-delay-ms",
