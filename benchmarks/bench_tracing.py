@@ -1,7 +1,7 @@
 """What OpenTelemetry tracing costs the mesh: CPU per request with tracing on against off.
 
     .venv/bin/python benchmarks/bench_tracing.py [--requests 2000] [--repeats 7]
-        [--concurrency 8] [--bsp-delay-ms 5000] [--base-python /work/wt-base/.venv/bin/python]
+        [--concurrency 8] [--rate R] [--bsp-delay-ms 5000] [--base-python PYTHON]
 
 Two meshes side by side, in one run: `off` (no OTEL_* variables: the API's no-op tracer)
 and `on` (OTEL_TRACES_EXPORTER=otlp to an OTLP/HTTP receiver in this process that counts
@@ -10,7 +10,10 @@ worker and 1 frontend. Each of `--repeats` runs loads every mesh at once, each w
 own closed loop of `--concurrency` clients (SGLang requests: 32-token prompt, 16 tokens,
 half SSE, half unary), until one mesh has answered `--requests`: the meshes share the
 machine in the same seconds, so what else runs on it weighs on all of them alike (run one
-after the other, on a shared machine, the pairs differed by up to ±0.6 ms).
+after the other, on a shared machine, the pairs differed by up to ±0.6 ms). With
+`--rate R`, each mesh gets at most R requests a second: the meshes then answer the same
+load (a closed loop gives the slower mesh fewer requests, and a process woken for fewer
+requests at a time spends more per request, which inflates the difference).
 
 What is counted (user + system CPU from /proc, 10 ms ticks), per answered request and per
 process (frontend, router, worker, the mesh's nats-server): each process's event-loop
@@ -70,16 +73,22 @@ def cpu_split(pid: int) -> tuple[float, float]:
     return main / CLK_TCK, (total - main) / CLK_TCK
 
 
-async def load(url: str, requests: int, concurrency: int, done: asyncio.Event) -> int:
+async def load(
+    url: str, requests: int, concurrency: int, done: asyncio.Event, rate: float = 0
+) -> int:
     """Requests to `url` until `requests` are answered, or `done` is set (another mesh of
-    the run got there first; then the requests in flight finish); sets `done`. The count
-    of answered requests."""
+    the run got there first; then the requests in flight finish); sets `done`. At most
+    `rate` a second, if given. The count of answered requests."""
     issued = answered = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal issued, answered
         while issued < requests and not done.is_set():
             issued += 1
+            if rate:
+                await asyncio.sleep(started + issued / rate - loop.time())
             body = {
                 "input_ids": PROMPT,
                 "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
@@ -224,7 +233,7 @@ async def main(args: argparse.Namespace) -> None:
                 started = time.perf_counter()
                 counts = await asyncio.gather(
                     *(
-                        load(meshes[n].http_url, args.requests, args.concurrency, done)
+                        load(meshes[n].http_url, args.requests, args.concurrency, done, args.rate)
                         for n in order
                     )
                 )
@@ -258,7 +267,8 @@ async def main(args: argparse.Namespace) -> None:
 
     print(
         f"tracing: {args.requests} requests/run (16 tokens, half SSE), concurrency "
-        f"{args.concurrency} per mesh, {args.repeats} runs of all meshes at once; CPU ms per "
+        f"{args.concurrency} per mesh{f', {args.rate:.0f} req/s each' if args.rate else ''}, "
+        f"{args.repeats} runs of all meshes at once; CPU ms per "
         "request, medians; mesh = frontend + router + worker + its nats-server"
     )
     for prefix in pythons:
@@ -301,6 +311,12 @@ if __name__ == "__main__":
         type=int,
         default=5000,
         help="OTEL_BSP_SCHEDULE_DELAY of the traced meshes (the SDK's default: 5000)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0,
+        help="requests a second to each mesh (default: as fast as it answers)",
     )
     parser.add_argument("--base-python", help="also run meshes with this interpreter (A/B)")
     asyncio.run(main(parser.parse_args()))
