@@ -12,6 +12,7 @@ retries: the `OTEL_EXPORTER_OTLP_*` variables) with only the encoding swapped.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 if TYPE_CHECKING:
     from genmesh.shared.spans import LightSpan
@@ -66,13 +67,6 @@ def _field(tag: int, payload: bytes) -> bytes:
     return bytes((tag,)) + (_SHORT[n] if n < 128 else _varint(n)) + payload
 
 
-# Encoded KeyValues by (name, type, value): most attributes of a process's spans repeat
-# (its worker id, subjects, format, small counts). Cleared when full, so unique values
-# (request ids) cannot grow it without bound.
-_pairs: dict[tuple[str, type, Any], bytes] = {}
-_MAX_PAIRS = 4096
-
-
 def _value(value: Any) -> bytes:
     """An AnyValue."""
     if isinstance(value, str):
@@ -92,53 +86,57 @@ def _value(value: Any) -> bytes:
     return b""  # None: an empty AnyValue, as the SDK's encoder writes it
 
 
+def _encode_pair(key: str, value: Any) -> bytes:
+    """A KeyValue's length and body (its tag is the caller's)."""
+    body = _field(0x0A, key.encode()) + _field(0x12, _value(value))
+    n = len(body)
+    return (_SHORT[n] if n < 128 else _varint(n)) + body
+
+
+# Most attributes of a process's spans repeat (its worker id, subjects, format, small
+# counts): their encoding by (name, value), `typed` so that True, 1 and 1.0 differ. Least
+# recently used first out, so unique values (request ids) cannot grow it without bound.
+_pair = functools.lru_cache(maxsize=4096, typed=True)(_encode_pair)
+_TAG = [bytes((n,)) for n in range(128)]
+
+
 def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated KeyValue as field `tag`."""
     if not attributes:
         return b""
-    parts = []
-    prefix = bytes((tag,))
+    prefix = _TAG[tag]
     # The SDK's BoundedAttributes is a Mapping whose items() goes through the ABC's
     # per-key lookups; its plain dict, where it has one, is read directly.
     plain: Mapping[str, Any] = getattr(attributes, "_dict", attributes)
-    for key, value in plain.items():
-        pair: tuple[str, type, Any] | None = (key, value.__class__, value)
-        try:
-            encoded = _pairs.get(pair)  # type: ignore[arg-type]
-        except TypeError:  # a list value: not hashable, not worth caching
-            pair, encoded = None, None
-        if encoded is None:
-            body = _field(0x0A, key.encode()) + _field(0x12, _value(value))
-            n = len(body)
-            encoded = (_SHORT[n] if n < 128 else _varint(n)) + body
-            if pair is not None:
-                if len(_pairs) >= _MAX_PAIRS:
-                    _pairs.clear()
-                _pairs[pair] = encoded
-        parts.append(prefix)
-        parts.append(encoded)
-    return b"".join(parts)
+    try:  # map and the cache are C: no Python frame per attribute
+        return prefix + prefix.join(map(_pair, plain.keys(), plain.values()))
+    except TypeError:  # a list value: not hashable, not worth caching
+        return prefix + prefix.join(map(_encode_pair, plain.keys(), plain.values()))
 
 
 # Span fields written with one pack each: trace and span id; start and end time.
 _head = struct.Struct(">2sQQ2sQ").pack
 _times = struct.Struct("<BQBQ").pack
-_KIND_FIELD = {kind: bytes((0x30, n)) for kind, n in _KIND.items()}
+# By the member's id: hashing an Enum member is a Python call.
+_KIND_FIELD = {id(kind): bytes((0x30, n)) for kind, n in _KIND.items()}
 _FLAGS_FIELD = {
     flags: b"\x85\x01" + struct.pack("<I", flags)
     for flags in (_HAS_IS_REMOTE, _HAS_IS_REMOTE | _IS_REMOTE)
 }
 _NO_STATUS = b"\x7a\x00"
-# Event names and span names repeat: their encoded fields, by name (bounded like _pairs).
-_names: dict[str, bytes] = {}
+_UNSET = StatusCode.UNSET
+# Span and event names repeat: their encoded fields, by tag and name (cleared when full).
+_names: dict[tuple[int, str], bytes] = {}
+_MAX_NAMES = 4096
 
 
 def _name(tag: int, name: str) -> bytes:
-    encoded = _names.get(name)
+    key = (tag, name)
+    encoded = _names.get(key)
     if encoded is None:
-        if len(_names) >= _MAX_PAIRS:
+        if len(_names) >= _MAX_NAMES:
             _names.clear()
-        encoded = _names[name] = _field(tag, name.encode())
+        encoded = _names[key] = _field(tag, name.encode())
     return encoded
 
 
@@ -161,8 +159,8 @@ def _span(span: AnySpan) -> bytes:
         parts.append(b"\x22\x08" + _id64(parent.span_id))
         if parent.is_remote:
             flags |= _IS_REMOTE
-    parts.append(_field(0x2A, span.name.encode()))
-    parts.append(_KIND_FIELD[span.kind])
+    parts.append(_name(0x2A, span.name))
+    parts.append(_KIND_FIELD[id(span.kind)])
     parts.append(_times(0x39, span.start_time or 0, 0x41, span.end_time or 0))
     # `attributes` is a read-only proxy of the span's BoundedAttributes: read what it wraps.
     parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
@@ -197,13 +195,13 @@ def _span(span: AnySpan) -> bytes:
     if span.dropped_links:
         parts.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
-    code = status.status_code.value
-    if code or status.description:
+    code = status.status_code
+    if code is not _UNSET or status.description:
         body = b""
         if status.description:
             body += _field(0x12, status.description.encode())
-        if code:
-            body += b"\x18" + _varint(code)
+        if code is not _UNSET:
+            body += b"\x18" + _varint(code.value)
         parts.append(_field(0x7A, body))
     else:
         parts.append(_NO_STATUS)
