@@ -22,10 +22,12 @@ from opentelemetry.sdk.trace.sampling import (
     ALWAYS_ON,
     DEFAULT_ON,
     Decision,
+    ParentBased,
     ParentBasedTraceIdRatio,
     Sampler,
     SamplingResult,
     TraceIdRatioBased,
+    _get_from_env_or_default,
 )
 from opentelemetry.trace import (
     NonRecordingSpan,
@@ -39,7 +41,13 @@ from opentelemetry.trace import (
 from genmesh.shared import tracing
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.otlp import encode_spans
-from genmesh.shared.spans import MAX_EVENTS, LightSpan, LightTracer, LightTracerProvider
+from genmesh.shared.spans import (
+    MAX_EVENTS,
+    LightSpan,
+    LightTracer,
+    LightTracerProvider,
+    is_parent_based_always_on,
+)
 from tests.mesh import wait_until
 
 pytestmark = pytest.mark.unit
@@ -215,7 +223,15 @@ def test_sampling_decides_as_the_sdk(sampler: Sampler, monkeypatch: pytest.Monke
     light = LightTracerProvider(sampler, RESOURCE, [Memory()])
     sdk = TracerProvider(sampler=sampler, resource=RESOURCE)
     try:
-        parents = [None, remote(sampled=True), remote(sampled=False)]
+        local = SpanContext(5 << 64, 7, is_remote=False, trace_flags=TraceFlags(0))
+        parents = [
+            None,
+            remote(sampled=True),
+            remote(sampled=False),
+            remote(state=TraceState([("congo", "t61rcWkgMzE")])),
+            local,
+            SpanContext(5 << 64, 7, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)),
+        ]
         for parent in parents:
             context = (
                 None if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
@@ -226,6 +242,7 @@ def test_sampling_decides_as_the_sdk(sampler: Sampler, monkeypatch: pytest.Monke
             assert isinstance(ours, NonRecordingSpan) == (not theirs.is_recording())
             got, want = ours.get_span_context(), theirs.get_span_context()
             assert got.trace_flags == want.trace_flags, parent
+            assert got.trace_state == want.trace_state, parent
             assert got.is_valid
             if parent is not None:
                 assert got.trace_id == want.trace_id == parent.trace_id
@@ -366,3 +383,16 @@ def test_a_recorded_but_unsampled_span_is_not_exported(monkeypatch: pytest.Monke
     span.end()
     provider.shutdown()
     assert exporter.spans == []
+
+
+def test_the_default_sampler_is_decided_inline() -> None:
+    """`parentbased_always_on` (OTEL_TRACES_SAMPLER unset) needs no sampler call; any
+    other sampler is asked (test_sampling_decides_as_the_sdk: the same decisions)."""
+    assert is_parent_based_always_on(_get_from_env_or_default())
+    assert is_parent_based_always_on(DEFAULT_ON)
+    assert is_parent_based_always_on(ParentBased(ALWAYS_ON))
+    assert not is_parent_based_always_on(
+        ParentBased(ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON)
+    )
+    assert not is_parent_based_always_on(ALWAYS_ON)
+    assert not is_parent_based_always_on(ParentBasedTraceIdRatio(1.0))

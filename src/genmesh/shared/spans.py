@@ -10,7 +10,8 @@ tuples, ended into a deque that one thread drains: about a sixth of that
 (docs/observability.md, "Cost").
 
 What of the SDK is still used: the sampler (`OTEL_TRACES_SAMPLER[_ARG]`, parsed and
-decided by the SDK's own objects, so parent-based decisions are exactly the SDK's), the
+decided by the SDK's own objects, so parent-based decisions are exactly the SDK's; only
+the default, `parentbased_always_on`, is decided inline, as it decides), the
 `Resource`, the instrumentation scope, the `OTEL_BSP_*` parsing, the OTLP exporter's HTTP
 client (`otlp.OTLPExporter`: endpoint, headers, TLS, compression, retries) and the
 console exporter (given `ReadableSpan` copies: slow, and only for a console).
@@ -46,7 +47,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import Decision, Sampler
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Decision, ParentBased, Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     INVALID_SPAN_ID,
@@ -235,6 +236,18 @@ class LightSpan(trace.Span):
         )
 
 
+def is_parent_based_always_on(sampler: Sampler) -> bool:
+    """Whether `sampler` is the SDK's `parentbased_always_on`: ParentBased(ALWAYS_ON) with
+    its default delegates (sampled parents: ALWAYS_ON, unsampled ones: ALWAYS_OFF)."""
+    return type(sampler) is ParentBased and (
+        sampler._root,
+        sampler._remote_parent_sampled,
+        sampler._remote_parent_not_sampled,
+        sampler._local_parent_sampled,
+        sampler._local_parent_not_sampled,
+    ) == (ALWAYS_ON, ALWAYS_ON, ALWAYS_OFF, ALWAYS_ON, ALWAYS_OFF)
+
+
 class LightTracer(trace.Tracer):
     """Makes `LightSpan`s, or a `NonRecordingSpan` with the unsampled context when the
     sampler says no (so that the decision still travels in `traceparent`)."""
@@ -247,6 +260,10 @@ class LightTracer(trace.Tracer):
         batcher: SpanBatcher,
     ) -> None:
         self.sampler = sampler
+        # The SDK's default sampler, `parentbased_always_on` (what OTEL_TRACES_SAMPLER
+        # unset gives), needs no call: a parent's sampled flag, else sampled; the
+        # parent's trace state. Its SamplingResult cost a third of `start_span`.
+        self.default_sampling = is_parent_based_always_on(sampler)
         self.resource = resource
         self.scope = scope
         self.batcher = batcher
@@ -274,8 +291,16 @@ class LightTracer(trace.Tracer):
                 trace_id = _getrandbits(128)
             random_id = _RANDOM
         links = links or ()
-        result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
-        decision = result.decision
+        if self.default_sampling:  # decided here as that sampler decides (see __init__)
+            sampled = recording = parent is None or bool(parent.trace_flags & _SAMPLED)
+            trace_state = None if parent is None else parent.trace_state
+            given = attributes
+        else:
+            result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
+            sampled = result.decision is _SAMPLE
+            recording = result.decision is not _DROP
+            trace_state = result.trace_state
+            given = result.attributes
         span_id = _getrandbits(64)
         while span_id == INVALID_SPAN_ID:
             span_id = _getrandbits(64)
@@ -283,10 +308,10 @@ class LightTracer(trace.Tracer):
             trace_id,
             span_id,
             is_remote=False,
-            trace_flags=_FLAGS[random_id | (_SAMPLED if decision is _SAMPLE else 0)],
-            trace_state=result.trace_state,
+            trace_flags=_FLAGS[random_id | (_SAMPLED if sampled else 0)],
+            trace_state=trace_state,
         )
-        if decision is _DROP:
+        if not recording:
             return NonRecordingSpan(span_context)
         return LightSpan(
             self,
@@ -294,7 +319,7 @@ class LightTracer(trace.Tracer):
             span_context,
             parent,
             kind,
-            dict(result.attributes) if result.attributes else {},  # the span's own copy
+            dict(given) if given else {},  # the span's own copy
             links,
             start_time or _time_ns(),
         )
