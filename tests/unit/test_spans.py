@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ from opentelemetry.trace import (
 
 from genmesh.shared import tracing
 from genmesh.shared.errors import ErrorCode
-from genmesh.shared.otlp import encode_spans
+from genmesh.shared.otlp import OTLPExporter, encode_spans
 from genmesh.shared.spans import (
     MAX_EVENTS,
     LightSpan,
@@ -322,6 +323,39 @@ def test_spans_that_end_during_an_export_wait_for_a_full_batch(
     finally:
         provider.shutdown()
     assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 2 + ["third"] * 2
+
+
+def test_an_otlp_exporter_gets_the_spans_encoded_as_they_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With OTLP exporters only, a span is encoded as it ends and only its bytes wait;
+    what is posted is what `encode_spans` makes of the same spans (which the SDK's classes
+    read as the SDK encodes them: test_a_light_span_encodes_as_the_sdk_encodes_its_copy).
+    With any other exporter, the spans themselves wait."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    exporter = OTLPExporter(endpoint="http://127.0.0.1:9/v1/traces")
+    posted: list[bytes] = []
+
+    def post(data: bytes) -> Any:
+        posted.append(data)
+        return SimpleNamespace(success=True)
+
+    monkeypatch.setattr(exporter._client, "export", post)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    assert provider.batcher.encoded
+    tracer = provider.get_tracer("genmesh", "1.0")
+    spans = []
+    for n in range(3):
+        span = tracer.start_span(f"s{n}", attributes={"genmesh.attempt": n})
+        span.add_event("first_token")
+        span.end()
+        spans.append(span)
+    assert all(isinstance(item[2], bytes) for item in provider.batcher._queue)
+    provider.shutdown()
+    assert posted == [encode_spans(spans)]
+    mixed = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter, Memory()])
+    assert not mixed.batcher.encoded
+    mixed.shutdown()
 
 
 def test_shutdown_exports_what_is_left(memory: tuple[LightTracer, Memory]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -23,10 +23,15 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
     from genmesh.shared.spans import LightSpan
 
 # An SDK span, or genmesh's own (spans.py), which has the same attribute names.
 AnySpan: TypeAlias = "ReadableSpan | LightSpan"
+# A span's encoding (a `Span` field of ScopeSpans), with its resource and scope.
+EncodedSpan: TypeAlias = "tuple[Resource, InstrumentationScope | None, bytes]"
 
 # Span.flags: the SDK sets "has is_remote", and "is_remote" for a remote parent.
 _HAS_IS_REMOTE = 0x100
@@ -209,19 +214,23 @@ def _span(span: AnySpan) -> bytes:
     return b"".join(parts)
 
 
-def encode_spans(spans: Sequence[AnySpan]) -> bytes:
+def encode_span(span: AnySpan) -> EncodedSpan:
+    """One span's encoding, with the resource and scope it is grouped by."""
+    return span.resource, span.instrumentation_scope, _field(0x12, _span(span))
+
+
+def encode_request(spans: Iterable[EncodedSpan]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans`, serialised: one ResourceSpans per
     resource, one ScopeSpans per instrumentation scope within it, as the SDK groups them."""
     # Grouped by identity: a process has one resource and one scope, and hashing a
     # Resource (the SDK's way) serialises its attributes every time.
     groups: dict[tuple[int, int], tuple[Any, Any, list[bytes]]] = {}
-    for span in spans:
-        resource, scope = span.resource, span.instrumentation_scope
+    for resource, scope, encoded_span in spans:
         key = (id(resource), id(scope))
         group = groups.get(key)
         if group is None:
             group = groups[key] = (resource, scope, [])
-        group[2].append(_field(0x12, _span(span)))
+        group[2].append(encoded_span)
     by_resource: dict[int, tuple[Any, list[bytes]]] = {}
     for resource, scope, encoded in groups.values():
         scope_body = b""
@@ -246,11 +255,20 @@ def encode_spans(spans: Sequence[AnySpan]) -> bytes:
     return b"".join(out)
 
 
+def encode_spans(spans: Sequence[AnySpan]) -> bytes:
+    """`encode_request` of `spans`."""
+    return encode_request(map(encode_span, spans))
+
+
 class OTLPExporter(OTLPSpanExporter):
-    """The SDK's OTLP/HTTP span exporter, encoding with `encode_spans`."""
+    """The SDK's OTLP/HTTP span exporter, encoding with `encode_spans`; or given spans
+    already encoded (`export_encoded`: genmesh's own spans, encoded as they end)."""
 
     def export(self, spans: Sequence[AnySpan]) -> SpanExportResult:
+        return self.export_encoded(map(encode_span, spans))
+
+    def export_encoded(self, spans: Iterable[EncodedSpan]) -> SpanExportResult:
         if self._shutdown:
             return SpanExportResult.FAILURE
-        result = self._client.export(encode_spans(spans))
+        result = self._client.export(encode_request(spans))
         return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
