@@ -115,8 +115,16 @@ def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
     plain: Mapping[str, Any] = getattr(attributes, "_dict", attributes)
     try:  # map and the cache are C: no Python frame per attribute
         return prefix + prefix.join(map(_pair, plain.keys(), plain.values()))
-    except TypeError:  # a list value: not hashable, not worth caching
-        return prefix + prefix.join(map(_encode_pair, plain.keys(), plain.values()))
+    except TypeError:  # a list value (a router's candidates): not hashable
+        return prefix + prefix.join(map(_any_pair, plain.keys(), plain.values()))
+
+
+def _any_pair(key: str, value: Any) -> bytes:
+    """`_pair`, for a value that may not be hashable (then encoded every time)."""
+    try:
+        return _pair(key, value)
+    except TypeError:
+        return _encode_pair(key, value)
 
 
 # Span fields written with one pack each: trace and span id; start and end time.

@@ -10,8 +10,10 @@ Configured only through the standard `OTEL_*` variables, once per process, by `c
 - `OTEL_SERVICE_NAME` (default `genmesh-<role>`), `OTEL_RESOURCE_ATTRIBUTES`,
   `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_*` and `OTEL_PROPAGATORS`
   are read by the SDK's own parsing as usual; the spans themselves are genmesh's
-  (`spans.py`: the SDK's cost about six times as much CPU). The base endpoint gets
-  `/v1/traces` appended; the `..._TRACES_ENDPOINT` one is used verbatim.
+  (`spans.py`: the SDK's cost about six times as much CPU), and so is the reading and
+  writing of a lone `traceparent` when the propagators are the default W3C pair
+  (`extract`, `inject`). The base endpoint gets `/v1/traces` appended; the
+  `..._TRACES_ENDPOINT` one is used verbatim.
 
 Off, `tracer()` is None and every call site skips its tracing code at once: no span, no
 header, no attribute is ever built, and the SDK is not even imported.
@@ -203,7 +205,9 @@ async def running(
 def install(provider: TracerProvider | LightTracerProvider | None) -> None:
     """Trace through `provider` (None: tracing off), whatever `configure` did. For tests
     and for programs that embed genmesh with their own (SDK) provider: its spans are the
-    SDK's, with whatever processors it has."""
+    SDK's, with whatever processors it has, and the SDK's propagators carry their context.
+    With genmesh's own provider and the default propagators (as they are now: set others
+    before this), genmesh reads and writes `traceparent` itself."""
     global _tracer, _provider, _w3c
     _provider = provider
     _tracer = None if provider is None else provider.get_tracer(TRACER_NAME, __version__)
