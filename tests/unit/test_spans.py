@@ -275,14 +275,23 @@ def test_a_light_span_encodes_as_the_sdk_encodes_its_copy(
     assert decoded == sdk_encode([span.readable()])
 
 
-def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def gated(
+    monkeypatch: pytest.MonkeyPatch, **env: str
+) -> tuple[LightTracerProvider, LightTracer, Memory, threading.Event]:
+    """A provider exporting batches of 4 (and `env`'s OTEL_BSP_*) to an exporter that
+    holds each export until its gate opens; the schedule is an hour away."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
-    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     gate = threading.Event()
     exporter = Memory(gate)
     provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
-    tracer = provider.get_tracer("genmesh")
+    return provider, provider.get_tracer("genmesh"), exporter, gate
+
+
+def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    provider, tracer, exporter, gate = gated(monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4")
     try:
         for _ in range(4):  # a full batch wakes the thread, which then waits at the gate
             tracer.start_span("first").end()
@@ -301,12 +310,7 @@ def test_spans_that_end_during_an_export_wait_for_a_full_batch(
 ) -> None:
     """As the SDK's batch processor: a full batch wakes the thread, which then exports
     full batches only (not the few spans that ended while it was exporting)."""
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
-    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
-    gate = threading.Event()
-    exporter = Memory(gate)
-    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
-    tracer = provider.get_tracer("genmesh")
+    provider, tracer, exporter, gate = gated(monkeypatch)
     try:
         for _ in range(4):
             tracer.start_span("first").end()
