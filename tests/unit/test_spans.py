@@ -355,6 +355,9 @@ def test_an_otlp_exporter_gets_the_spans_encoded_as_they_ended(
         span.end()
         spans.append(span)
     assert all(isinstance(item[2], bytes) for item in provider.batcher._queue)
+    # A span that cannot be encoded (an integer beyond int64) is dropped and logged,
+    # not raised into the code that ends it.
+    tracer.start_span("bad", attributes={"n": -(1 << 70)}).end()
     provider.shutdown()
     assert posted == [encode_spans(spans)]
     mixed = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter, Memory()])

@@ -385,7 +385,14 @@ class SpanBatcher:
         if len(queue) >= self.max_queue_size:
             self.dropped += 1
             return
-        queue.append(encode_span(span) if self.encoded else span)
+        if self.encoded:
+            try:
+                queue.append(encode_span(span))
+            except Exception:  # never into the code that ended the span
+                log.exception("span %r cannot be encoded; dropped", span.name)
+                return
+        else:
+            queue.append(span)
         if len(queue) >= self.max_batch and not self._wake.is_set():
             self._wake.set()
 
