@@ -426,9 +426,10 @@ def test_a_recorded_but_unsampled_span_is_not_exported(monkeypatch: pytest.Monke
     assert exporter.spans == []
 
 
-def test_the_default_sampler_is_decided_inline() -> None:
+def test_the_default_sampler_is_decided_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     """`parentbased_always_on` (OTEL_TRACES_SAMPLER unset) needs no sampler call; any
     other sampler is asked (test_sampling_decides_as_the_sdk: the same decisions)."""
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
     assert is_parent_based_always_on(_get_from_env_or_default())
     assert is_parent_based_always_on(DEFAULT_ON)
     assert is_parent_based_always_on(ParentBased(ALWAYS_ON))
