@@ -364,9 +364,9 @@ class SpanBatcher:
         self.dropped = 0
         # When every exporter is OTLP's, a span is encoded as it ends and only its bytes
         # wait for the export. A span that waited as itself (its attributes, events and
-        # context: about eight objects the garbage collector tracks) lived through two
-        # collections into the oldest generation, and a busy frontend ran a full
-        # collection every few thousand spans: ~40 µs per request, more than the encoding.
+        # context: objects the garbage collector tracks) lived through two collections
+        # into the oldest generation, and a busy process ran a full collection (30-50 ms)
+        # every few thousand spans; a traced worker now collects as an untraced one.
         self.otlp = [e for e in self.exporters if isinstance(e, OTLPExporter)]
         self.encoded = bool(self.otlp) and len(self.otlp) == len(self.exporters)
         self._queue: collections.deque[Any] = collections.deque()  # spans, or EncodedSpans
