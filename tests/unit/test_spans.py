@@ -7,7 +7,9 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,10 +23,12 @@ from opentelemetry.sdk.trace.sampling import (
     ALWAYS_ON,
     DEFAULT_ON,
     Decision,
+    ParentBased,
     ParentBasedTraceIdRatio,
     Sampler,
     SamplingResult,
     TraceIdRatioBased,
+    _get_from_env_or_default,
 )
 from opentelemetry.trace import (
     NonRecordingSpan,
@@ -37,8 +41,15 @@ from opentelemetry.trace import (
 
 from genmesh.shared import tracing
 from genmesh.shared.errors import ErrorCode
-from genmesh.shared.otlp import encode_spans
-from genmesh.shared.spans import MAX_EVENTS, LightSpan, LightTracer, LightTracerProvider
+from genmesh.shared.otlp import OTLPExporter, encode_spans
+from genmesh.shared.spans import (
+    MAX_EVENTS,
+    LightSpan,
+    LightTracer,
+    LightTracerProvider,
+    is_parent_based_always_on,
+)
+from tests.mesh import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -213,7 +224,15 @@ def test_sampling_decides_as_the_sdk(sampler: Sampler, monkeypatch: pytest.Monke
     light = LightTracerProvider(sampler, RESOURCE, [Memory()])
     sdk = TracerProvider(sampler=sampler, resource=RESOURCE)
     try:
-        parents = [None, remote(sampled=True), remote(sampled=False)]
+        local = SpanContext(5 << 64, 7, is_remote=False, trace_flags=TraceFlags(0))
+        parents = [
+            None,
+            remote(sampled=True),
+            remote(sampled=False),
+            remote(state=TraceState([("congo", "t61rcWkgMzE")])),
+            local,
+            SpanContext(5 << 64, 7, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)),
+        ]
         for parent in parents:
             context = (
                 None if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
@@ -224,6 +243,7 @@ def test_sampling_decides_as_the_sdk(sampler: Sampler, monkeypatch: pytest.Monke
             assert isinstance(ours, NonRecordingSpan) == (not theirs.is_recording())
             got, want = ours.get_span_context(), theirs.get_span_context()
             assert got.trace_flags == want.trace_flags, parent
+            assert got.trace_state == want.trace_state, parent
             assert got.is_valid
             if parent is not None:
                 assert got.trace_id == want.trace_id == parent.trace_id
@@ -255,14 +275,23 @@ def test_a_light_span_encodes_as_the_sdk_encodes_its_copy(
     assert decoded == sdk_encode([span.readable()])
 
 
-def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def gated(
+    monkeypatch: pytest.MonkeyPatch, **env: str
+) -> tuple[LightTracerProvider, LightTracer, Memory, threading.Event]:
+    """A provider exporting batches of 4 (and `env`'s OTEL_BSP_*) to an exporter that
+    holds each export until its gate opens; the schedule is an hour away."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
-    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     gate = threading.Event()
     exporter = Memory(gate)
     provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
-    tracer = provider.get_tracer("genmesh")
+    return provider, provider.get_tracer("genmesh"), exporter, gate
+
+
+def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    provider, tracer, exporter, gate = gated(monkeypatch, OTEL_BSP_MAX_QUEUE_SIZE="4")
     try:
         for _ in range(4):  # a full batch wakes the thread, which then waits at the gate
             tracer.start_span("first").end()
@@ -274,6 +303,66 @@ def test_the_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         gate.set()
         provider.shutdown()
     assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 4
+
+
+def test_spans_that_end_during_an_export_wait_for_a_full_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the SDK's batch processor: a full batch wakes the thread, which then exports
+    full batches only (not the few spans that ended while it was exporting)."""
+    provider, tracer, exporter, gate = gated(monkeypatch)
+    try:
+        for _ in range(4):
+            tracer.start_span("first").end()
+        assert exporter.exporting.wait(10)
+        for _ in range(2):  # while the first batch is out
+            tracer.start_span("second").end()
+        gate.set()
+        wait_until(lambda: len(exporter.spans) == 4)
+        time.sleep(0.2)  # time enough for the thread to export the two, if it would
+        assert len(exporter.spans) == 4
+        for _ in range(2):  # now a full batch waits
+            tracer.start_span("third").end()
+        wait_until(lambda: len(exporter.spans) == 8)
+    finally:
+        provider.shutdown()
+    assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 2 + ["third"] * 2
+
+
+def test_an_otlp_exporter_gets_the_spans_encoded_as_they_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With OTLP exporters only, a span is encoded as it ends and only its bytes wait;
+    what is posted is what `encode_spans` makes of the same spans (which the SDK's classes
+    read as the SDK encodes them: test_a_light_span_encodes_as_the_sdk_encodes_its_copy).
+    With any other exporter, the spans themselves wait."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    exporter = OTLPExporter(endpoint="http://127.0.0.1:9/v1/traces")
+    posted: list[bytes] = []
+
+    def post(data: bytes) -> Any:
+        posted.append(data)
+        return SimpleNamespace(success=True)
+
+    monkeypatch.setattr(exporter._client, "export", post)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    assert provider.batcher.encoded
+    tracer = provider.get_tracer("genmesh", "1.0")
+    spans = []
+    for n in range(3):
+        span = tracer.start_span(f"s{n}", attributes={"genmesh.attempt": n})
+        span.add_event("first_token")
+        span.end()
+        spans.append(span)
+    assert all(isinstance(item[2], bytes) for item in provider.batcher._queue)
+    # A span that cannot be encoded (an integer beyond int64) is dropped and logged,
+    # not raised into the code that ends it.
+    tracer.start_span("bad", attributes={"n": -(1 << 70)}).end()
+    provider.shutdown()
+    assert posted == [encode_spans(spans)]
+    mixed = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter, Memory()])
+    assert not mixed.batcher.encoded
+    mixed.shutdown()
 
 
 def test_shutdown_exports_what_is_left(memory: tuple[LightTracer, Memory]) -> None:
@@ -335,3 +424,17 @@ def test_a_recorded_but_unsampled_span_is_not_exported(monkeypatch: pytest.Monke
     span.end()
     provider.shutdown()
     assert exporter.spans == []
+
+
+def test_the_default_sampler_is_decided_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`parentbased_always_on` (OTEL_TRACES_SAMPLER unset) needs no sampler call; any
+    other sampler is asked (test_sampling_decides_as_the_sdk: the same decisions)."""
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    assert is_parent_based_always_on(_get_from_env_or_default())
+    assert is_parent_based_always_on(DEFAULT_ON)
+    assert is_parent_based_always_on(ParentBased(ALWAYS_ON))
+    assert not is_parent_based_always_on(
+        ParentBased(ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON)
+    )
+    assert not is_parent_based_always_on(ALWAYS_ON)
+    assert not is_parent_based_always_on(ParentBasedTraceIdRatio(1.0))

@@ -12,20 +12,26 @@ retries: the `OTEL_EXPORTER_OTLP_*` variables) with only the encoding swapped.
 
 from __future__ import annotations
 
+import functools
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
     from genmesh.shared.spans import LightSpan
 
 # An SDK span, or genmesh's own (spans.py), which has the same attribute names.
 AnySpan: TypeAlias = "ReadableSpan | LightSpan"
+# A span's encoding (a `Span` field of ScopeSpans), with its resource and scope.
+EncodedSpan: TypeAlias = "tuple[Resource, InstrumentationScope | None, bytes]"
 
 # Span.flags: the SDK sets "has is_remote", and "is_remote" for a remote parent.
 _HAS_IS_REMOTE = 0x100
@@ -66,13 +72,6 @@ def _field(tag: int, payload: bytes) -> bytes:
     return bytes((tag,)) + (_SHORT[n] if n < 128 else _varint(n)) + payload
 
 
-# Encoded KeyValues by (name, type, value): most attributes of a process's spans repeat
-# (its worker id, subjects, format, small counts). Cleared when full, so unique values
-# (request ids) cannot grow it without bound.
-_pairs: dict[tuple[str, type, Any], bytes] = {}
-_MAX_PAIRS = 4096
-
-
 def _value(value: Any) -> bytes:
     """An AnyValue."""
     if isinstance(value, str):
@@ -92,53 +91,65 @@ def _value(value: Any) -> bytes:
     return b""  # None: an empty AnyValue, as the SDK's encoder writes it
 
 
+def _encode_pair(key: str, value: Any) -> bytes:
+    """A KeyValue's length and body (its tag is the caller's)."""
+    body = _field(0x0A, key.encode()) + _field(0x12, _value(value))
+    n = len(body)
+    return (_SHORT[n] if n < 128 else _varint(n)) + body
+
+
+# Most attributes of a process's spans repeat (its worker id, subjects, format, small
+# counts): their encoding by (name, value), `typed` so that True, 1 and 1.0 differ. Least
+# recently used first out, so unique values (request ids) cannot grow it without bound.
+_pair = functools.lru_cache(maxsize=4096, typed=True)(_encode_pair)
+_TAG = [bytes((n,)) for n in range(128)]
+
+
 def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated KeyValue as field `tag`."""
     if not attributes:
         return b""
-    parts = []
-    prefix = bytes((tag,))
+    prefix = _TAG[tag]
     # The SDK's BoundedAttributes is a Mapping whose items() goes through the ABC's
     # per-key lookups; its plain dict, where it has one, is read directly.
     plain: Mapping[str, Any] = getattr(attributes, "_dict", attributes)
-    for key, value in plain.items():
-        pair: tuple[str, type, Any] | None = (key, value.__class__, value)
-        try:
-            encoded = _pairs.get(pair)  # type: ignore[arg-type]
-        except TypeError:  # a list value: not hashable, not worth caching
-            pair, encoded = None, None
-        if encoded is None:
-            body = _field(0x0A, key.encode()) + _field(0x12, _value(value))
-            n = len(body)
-            encoded = (_SHORT[n] if n < 128 else _varint(n)) + body
-            if pair is not None:
-                if len(_pairs) >= _MAX_PAIRS:
-                    _pairs.clear()
-                _pairs[pair] = encoded
-        parts.append(prefix)
-        parts.append(encoded)
-    return b"".join(parts)
+    try:  # map and the cache are C: no Python frame per attribute
+        return prefix + prefix.join(map(_pair, plain.keys(), plain.values()))
+    except TypeError:  # a list value (a router's candidates): not hashable
+        return prefix + prefix.join(map(_any_pair, plain.keys(), plain.values()))
+
+
+def _any_pair(key: str, value: Any) -> bytes:
+    """`_pair`, for a value that may not be hashable (then encoded every time)."""
+    try:
+        return _pair(key, value)
+    except TypeError:
+        return _encode_pair(key, value)
 
 
 # Span fields written with one pack each: trace and span id; start and end time.
 _head = struct.Struct(">2sQQ2sQ").pack
 _times = struct.Struct("<BQBQ").pack
-_KIND_FIELD = {kind: bytes((0x30, n)) for kind, n in _KIND.items()}
+# By the member's id: hashing an Enum member is a Python call.
+_KIND_FIELD = {id(kind): bytes((0x30, n)) for kind, n in _KIND.items()}
 _FLAGS_FIELD = {
     flags: b"\x85\x01" + struct.pack("<I", flags)
     for flags in (_HAS_IS_REMOTE, _HAS_IS_REMOTE | _IS_REMOTE)
 }
 _NO_STATUS = b"\x7a\x00"
-# Event names and span names repeat: their encoded fields, by name (bounded like _pairs).
-_names: dict[str, bytes] = {}
+_UNSET = StatusCode.UNSET
+# Span and event names repeat: their encoded fields, by tag and name (cleared when full).
+_names: dict[tuple[int, str], bytes] = {}
+_MAX_NAMES = 4096
 
 
 def _name(tag: int, name: str) -> bytes:
-    encoded = _names.get(name)
+    key = (tag, name)
+    encoded = _names.get(key)
     if encoded is None:
-        if len(_names) >= _MAX_PAIRS:
+        if len(_names) >= _MAX_NAMES:
             _names.clear()
-        encoded = _names[name] = _field(tag, name.encode())
+        encoded = _names[key] = _field(tag, name.encode())
     return encoded
 
 
@@ -161,8 +172,8 @@ def _span(span: AnySpan) -> bytes:
         parts.append(b"\x22\x08" + _id64(parent.span_id))
         if parent.is_remote:
             flags |= _IS_REMOTE
-    parts.append(_field(0x2A, span.name.encode()))
-    parts.append(_KIND_FIELD[span.kind])
+    parts.append(_name(0x2A, span.name))
+    parts.append(_KIND_FIELD[id(span.kind)])
     parts.append(_times(0x39, span.start_time or 0, 0x41, span.end_time or 0))
     # `attributes` is a read-only proxy of the span's BoundedAttributes: read what it wraps.
     parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
@@ -197,13 +208,13 @@ def _span(span: AnySpan) -> bytes:
     if span.dropped_links:
         parts.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
-    code = status.status_code.value
-    if code or status.description:
+    code = status.status_code
+    if code is not _UNSET or status.description:
         body = b""
         if status.description:
             body += _field(0x12, status.description.encode())
-        if code:
-            body += b"\x18" + _varint(code)
+        if code is not _UNSET:
+            body += b"\x18" + _varint(code.value)
         parts.append(_field(0x7A, body))
     else:
         parts.append(_NO_STATUS)
@@ -211,19 +222,23 @@ def _span(span: AnySpan) -> bytes:
     return b"".join(parts)
 
 
-def encode_spans(spans: Sequence[AnySpan]) -> bytes:
+def encode_span(span: AnySpan) -> EncodedSpan:
+    """One span's encoding, with the resource and scope it is grouped by."""
+    return span.resource, span.instrumentation_scope, _field(0x12, _span(span))
+
+
+def encode_request(spans: Iterable[EncodedSpan]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans`, serialised: one ResourceSpans per
     resource, one ScopeSpans per instrumentation scope within it, as the SDK groups them."""
     # Grouped by identity: a process has one resource and one scope, and hashing a
     # Resource (the SDK's way) serialises its attributes every time.
     groups: dict[tuple[int, int], tuple[Any, Any, list[bytes]]] = {}
-    for span in spans:
-        resource, scope = span.resource, span.instrumentation_scope
+    for resource, scope, encoded_span in spans:
         key = (id(resource), id(scope))
         group = groups.get(key)
         if group is None:
             group = groups[key] = (resource, scope, [])
-        group[2].append(_field(0x12, _span(span)))
+        group[2].append(encoded_span)
     by_resource: dict[int, tuple[Any, list[bytes]]] = {}
     for resource, scope, encoded in groups.values():
         scope_body = b""
@@ -248,11 +263,20 @@ def encode_spans(spans: Sequence[AnySpan]) -> bytes:
     return b"".join(out)
 
 
+def encode_spans(spans: Sequence[AnySpan]) -> bytes:
+    """`encode_request` of `spans`."""
+    return encode_request(map(encode_span, spans))
+
+
 class OTLPExporter(OTLPSpanExporter):
-    """The SDK's OTLP/HTTP span exporter, encoding with `encode_spans`."""
+    """The SDK's OTLP/HTTP span exporter, encoding with `encode_spans`; or given spans
+    already encoded (`export_encoded`: genmesh's own spans, encoded as they end)."""
 
     def export(self, spans: Sequence[AnySpan]) -> SpanExportResult:
+        return self.export_encoded(map(encode_span, spans))
+
+    def export_encoded(self, spans: Iterable[EncodedSpan]) -> SpanExportResult:
         if self._shutdown:
             return SpanExportResult.FAILURE
-        result = self._client.export(encode_spans(spans))
+        result = self._client.export(encode_request(spans))
         return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE

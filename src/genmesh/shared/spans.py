@@ -6,11 +6,12 @@ about 60 µs of CPU per span: `BoundedAttributes` checks and copies every attrib
 span takes a lock per call, runs its processors and is copied into a `ReadableSpan` at its
 end. A request makes two spans in two processes, and tracing's whole budget is 150 µs a
 request. A `LightSpan` is a slotted object with a plain dict of attributes and events as
-tuples, ended into a deque that one thread drains: about a sixth of that
-(docs/observability.md, "Cost").
+tuples, ended into a deque that one thread drains (encoded as it ends, when the exporters
+are OTLP's: see `SpanBatcher`): about a sixth of that (docs/observability.md, "Cost").
 
 What of the SDK is still used: the sampler (`OTEL_TRACES_SAMPLER[_ARG]`, parsed and
-decided by the SDK's own objects, so parent-based decisions are exactly the SDK's), the
+decided by the SDK's own objects, so parent-based decisions are exactly the SDK's; only
+the default, `parentbased_always_on`, is decided inline, as it decides), the
 `Resource`, the instrumentation scope, the `OTEL_BSP_*` parsing, the OTLP exporter's HTTP
 client (`otlp.OTLPExporter`: endpoint, headers, TLS, compression, retries) and the
 console exporter (given `ReadableSpan` copies: slow, and only for a console).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import math
 import random
 import threading
 import time
@@ -45,7 +47,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import Decision, Sampler
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Decision, ParentBased, Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     INVALID_SPAN_ID,
@@ -59,6 +61,8 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 from opentelemetry.util import types
+
+from genmesh.shared.otlp import OTLPExporter, encode_span
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +238,18 @@ class LightSpan(trace.Span):
         )
 
 
+def is_parent_based_always_on(sampler: Sampler) -> bool:
+    """Whether `sampler` is the SDK's `parentbased_always_on`: ParentBased(ALWAYS_ON) with
+    its default delegates (sampled parents: ALWAYS_ON, unsampled ones: ALWAYS_OFF)."""
+    return type(sampler) is ParentBased and (
+        sampler._root,
+        sampler._remote_parent_sampled,
+        sampler._remote_parent_not_sampled,
+        sampler._local_parent_sampled,
+        sampler._local_parent_not_sampled,
+    ) == (ALWAYS_ON, ALWAYS_ON, ALWAYS_OFF, ALWAYS_ON, ALWAYS_OFF)
+
+
 class LightTracer(trace.Tracer):
     """Makes `LightSpan`s, or a `NonRecordingSpan` with the unsampled context when the
     sampler says no (so that the decision still travels in `traceparent`)."""
@@ -246,6 +262,10 @@ class LightTracer(trace.Tracer):
         batcher: SpanBatcher,
     ) -> None:
         self.sampler = sampler
+        # The SDK's default sampler, `parentbased_always_on` (what OTEL_TRACES_SAMPLER
+        # unset gives), needs no call: a parent's sampled flag, else sampled; the
+        # parent's trace state. Its SamplingResult cost a third of `start_span`.
+        self.default_sampling = is_parent_based_always_on(sampler)
         self.resource = resource
         self.scope = scope
         self.batcher = batcher
@@ -273,8 +293,16 @@ class LightTracer(trace.Tracer):
                 trace_id = _getrandbits(128)
             random_id = _RANDOM
         links = links or ()
-        result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
-        decision = result.decision
+        if self.default_sampling:  # decided here as that sampler decides (see __init__)
+            sampled = recording = parent is None or bool(parent.trace_flags & _SAMPLED)
+            trace_state = None if parent is None else parent.trace_state
+            given = attributes
+        else:
+            result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
+            sampled = result.decision is _SAMPLE
+            recording = result.decision is not _DROP
+            trace_state = result.trace_state
+            given = result.attributes
         span_id = _getrandbits(64)
         while span_id == INVALID_SPAN_ID:
             span_id = _getrandbits(64)
@@ -282,10 +310,10 @@ class LightTracer(trace.Tracer):
             trace_id,
             span_id,
             is_remote=False,
-            trace_flags=_FLAGS[random_id | (_SAMPLED if decision is _SAMPLE else 0)],
-            trace_state=result.trace_state,
+            trace_flags=_FLAGS[random_id | (_SAMPLED if sampled else 0)],
+            trace_state=trace_state,
         )
-        if decision is _DROP:
+        if not recording:
             return NonRecordingSpan(span_context)
         return LightSpan(
             self,
@@ -293,7 +321,7 @@ class LightTracer(trace.Tracer):
             span_context,
             parent,
             kind,
-            dict(result.attributes) if result.attributes else {},  # the span's own copy
+            dict(given) if given else {},  # the span's own copy
             links,
             start_time or _time_ns(),
         )
@@ -322,9 +350,9 @@ class LightTracer(trace.Tracer):
 class SpanBatcher:
     """Ended spans wait in a bounded deque (full: dropped and counted); one thread exports
     them in batches every `OTEL_BSP_SCHEDULE_DELAY` ms, or as soon as a batch
-    (`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`) waits, to every exporter in turn. The variables are
-    read by the SDK's own parsing, defaults included (5 s, 512 spans, a queue of 2,048, a
-    30 s export timeout, which bounds `shutdown`)."""
+    (`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`) waits (then full batches only), to every exporter
+    in turn. The variables are read by the SDK's own parsing, defaults included (5 s, 512
+    spans, a queue of 2,048, a 30 s export timeout, which bounds `shutdown`)."""
 
     def __init__(self, exporters: Sequence[Exporter]) -> None:
         self.exporters = list(exporters)
@@ -334,7 +362,14 @@ class SpanBatcher:
         self.timeout_s: float = _BSP._default_export_timeout_millis() / 1e3
         _BSP._validate_arguments(self.max_queue_size, self.delay_s * 1e3, self.max_batch)
         self.dropped = 0
-        self._queue: collections.deque[LightSpan] = collections.deque()
+        # When every exporter is OTLP's, a span is encoded as it ends and only its bytes
+        # wait for the export. A span that waited as itself (its attributes, events and
+        # context: objects the garbage collector tracks) lived through two collections
+        # into the oldest generation, and a busy process ran a full collection (30-50 ms)
+        # every few thousand spans; a traced worker now collects as an untraced one.
+        self.otlp = [e for e in self.exporters if isinstance(e, OTLPExporter)]
+        self.encoded = bool(self.otlp) and len(self.otlp) == len(self.exporters)
+        self._queue: collections.deque[Any] = collections.deque()  # spans, or EncodedSpans
         self._wake = threading.Event()
         self._export_lock = threading.Lock()  # the thread's drain against force_flush's
         self._stopping = False
@@ -350,18 +385,31 @@ class SpanBatcher:
         if len(queue) >= self.max_queue_size:
             self.dropped += 1
             return
-        queue.append(span)
+        if self.encoded:
+            try:
+                queue.append(encode_span(span))
+            except Exception:  # never into the code that ended the span
+                log.exception("span %r cannot be encoded; dropped", span.name)
+                return
+        else:
+            queue.append(span)
         if len(queue) >= self.max_batch and not self._wake.is_set():
             self._wake.set()
 
     def _run(self) -> None:
         while not self._stopping:
-            self._wake.wait(self.delay_s)
+            # As the SDK's batch processor: woken by a full batch, export full batches
+            # only; on the schedule, at least one. Without that, the spans that end while
+            # a batch is out went out in a small batch of their own right after it, and
+            # under load every export (an HTTP request, ~1 ms of CPU) carried a fifth of
+            # a batch.
+            full = self._wake.wait(self.delay_s)
             self._wake.clear()
-            self._drain()
+            self._drain(partial=0 if full else 1)
         self._drain()  # shutdown: what is left
 
-    def _drain(self) -> None:
+    def _drain(self, partial: float = math.inf) -> None:
+        """Export what waits in batches: every full one, and at most `partial` smaller."""
         # The exporter's own HTTP calls are not to be traced by any instrumentation.
         token = otel_context.attach(
             otel_context.set_value(otel_context._SUPPRESS_INSTRUMENTATION_KEY, True)
@@ -370,10 +418,19 @@ class SpanBatcher:
             with self._export_lock:
                 queue = self._queue
                 while queue:
+                    if len(queue) < self.max_batch:
+                        if partial < 1:
+                            break
+                        partial -= 1
                     batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
-                    for exporter in self.exporters:
+                    exports = (
+                        [e.export_encoded for e in self.otlp]
+                        if self.encoded
+                        else [e.export for e in self.exporters]
+                    )
+                    for export in exports:
                         try:
-                            exporter.export(batch)
+                            export(batch)
                         except Exception:
                             log.exception("exporting %d spans failed", len(batch))
         finally:
