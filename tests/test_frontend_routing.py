@@ -59,6 +59,24 @@ async def test_no_router_needed_and_the_policy_is_honoured(empty_mesh: InProcess
     assert admitted(empty_mesh) == dict.fromkeys(workers, 5)
 
 
+async def test_sticky_keeps_one_request_at_a_time_on_one_worker(
+    empty_mesh: InProcessMesh,
+) -> None:
+    # The frontend sees each request end, so the worker it chose last is idle again by
+    # the next one and keeps it (rotation under load: tests/unit/test_routing.py).
+    empty_mesh.add_frontend("--router-policy", "sticky")
+    workers = [empty_mesh.add_worker().name for _ in range(2)]
+    assert await health(empty_mesh) == (200, "")
+    for _ in range(6):
+        reply = await post(empty_mesh.http_url + "/generate", {**BODY, "stream": True})
+        assert reply.status == 200, reply.body
+    await asyncio.to_thread(
+        wait_until, lambda: sum(admitted(empty_mesh).values()) == 6, 5.0, 0.02, "6 admitted"
+    )
+    assert sorted(admitted(empty_mesh).values()) == [0, 6]
+    assert set(admitted(empty_mesh)) == set(workers)
+
+
 async def test_refusals_are_the_routers_own(empty_mesh: InProcessMesh) -> None:
     """The same request, routed by the frontend and by a router, gets the same answer."""
     empty_mesh.add_router()

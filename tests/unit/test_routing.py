@@ -14,7 +14,7 @@ import pytest
 
 from genmesh.client import request
 from genmesh.routing.choice import Chooser
-from genmesh.routing.policies import POLICIES, LeastLoaded, RoundRobin, make_policy
+from genmesh.routing.policies import POLICIES, LeastLoaded, RoundRobin, Sticky, make_policy
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import Subjects
@@ -114,6 +114,37 @@ def test_least_loaded_picks_the_lighter_of_two() -> None:
     light, heavy = worker("a", inflight=0), worker("b", inflight=3)
     chooser = Chooser(directory(light, heavy), LeastLoaded(random.Random(1)))
     assert chooser.choose(request([1])).worker is light
+
+
+def test_sticky_stays_on_an_idle_worker_and_rotates_off_a_busy_one() -> None:
+    chooser = Chooser(directory(worker("b", capacity=99), worker("a", capacity=99)), Sticky())
+    # One request at a time (c=1): each ends before the next, so one worker serves them all.
+    for _ in range(3):
+        decision = chooser.choose(request([1]))
+        assert decision.worker.id == "a"
+        chooser.ended(decision)
+    # Overlapping requests: the last worker still runs one of ours, so the next rotates.
+    first = chooser.choose(request([1]))
+    second = chooser.choose(request([1]))
+    third = chooser.choose(request([1]))
+    assert [first.worker.id, second.worker.id, third.worker.id] == ["a", "b", "a"]
+    assert first.worker.open_here == 2
+    for decision in (first, second, third):
+        chooser.ended(decision)
+    assert first.worker.open_here == second.worker.open_here == 0
+    # Idle again: it stays on the worker it chose last.
+    assert chooser.choose(request([1])).worker.id == "a"
+
+
+def test_open_here_counts_sends_until_they_end_across_reports() -> None:
+    w = worker("a")
+    chooser = Chooser(directory(w), RoundRobin())
+    decision = chooser.choose(request([1]))
+    w.sent_since_report = 0  # a load report came in meanwhile: it says nothing of ends
+    assert w.open_here == 1
+    chooser.ended(decision)
+    chooser.ended(decision)  # never below zero
+    assert w.open_here == 0
 
 
 def test_policies_by_name() -> None:

@@ -123,6 +123,8 @@ class Attempt:
             if self._timer is not None:
                 self._timer.cancel()
             client.close_stream(token, self.worker)
+            if self.decision is not None and client.router is not None:
+                client.router.ended(self.decision)
             if span is not None:
                 span.end(error_type=ErrorCode.CANCELLED.value)  # unless a frame ended it
             elif started_ns and frame is not None and frame["t"] == frames.ERR:

@@ -76,3 +76,8 @@ class Chooser:
         worker = self.policy.choose(free)
         directory.note_sent(worker)
         return Decision(worker, free)
+
+    def ended(self, decision: Decision) -> None:
+        """The request sent with `decision` has ended (a frontend that routes itself sees
+        its attempts end; a router does not)."""
+        self.directory.note_ended(decision.worker)

@@ -30,6 +30,31 @@ class RoundRobin:
         return ordered[next(self._counter) % len(ordered)]
 
 
+class Sticky:
+    """The worker chosen last, while nothing this process sent it is still running; else
+    the next in round robin.
+
+    At low load one worker serves everything and stays warm: at c=1 a worker woken every
+    other request is woken colder, which costs more than its share of the work
+    (docs/performance.md, "c=1: where the time goes"). Under load it rotates like
+    `round_robin`. Only a process that sees its requests end (a frontend that routes
+    itself) knows when the last worker is idle; in a router it is `round_robin`."""
+
+    name = "sticky"
+
+    def __init__(self) -> None:
+        self._rotation = RoundRobin()
+        self._last: str | None = None
+
+    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+        for worker in workers:
+            if worker.id == self._last and worker.open_here == 0:
+                return worker
+        chosen = self._rotation.choose(workers)
+        self._last = chosen.id
+        return chosen
+
+
 class Random:
     name = "random"
 
@@ -59,8 +84,9 @@ class LeastLoaded:
         return a if a.load <= b.load else b
 
 
-POLICIES: dict[str, type[RoundRobin] | type[Random] | type[LeastLoaded]] = {
+POLICIES: dict[str, type[RoundRobin] | type[Sticky] | type[Random] | type[LeastLoaded]] = {
     "round_robin": RoundRobin,
+    "sticky": Sticky,
     "random": Random,
     "least_loaded": LeastLoaded,
 }

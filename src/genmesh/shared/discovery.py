@@ -51,6 +51,9 @@ class WorkerInfo:
     capacity: int
     # Requests this process sent since the worker's last load report: load it cannot see yet.
     sent_since_report: int = 0
+    # Requests this process sent that have not ended: known only where the ends are seen
+    # (a frontend that routes itself; a router forwards and never sees one end).
+    open_here: int = 0
     expires_after: float = field(default=EXPIRY_HEARTBEATS * DEFAULT_HEARTBEAT_S)
     # The card's `engine_info`, parsed when it changes.
     engine_info: EngineInfo | None = None
@@ -117,6 +120,11 @@ class WorkerDirectory:
 
     def note_sent(self, worker: WorkerInfo) -> None:
         worker.sent_since_report += 1
+        worker.open_here += 1
+
+    def note_ended(self, worker: WorkerInfo) -> None:
+        if worker.open_here > 0:
+            worker.open_here -= 1
 
     def _emit(self, event: str, worker: WorkerInfo) -> None:
         for listener in self._listeners:
