@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -56,6 +57,27 @@ async def stop_signals() -> AsyncIterator[asyncio.Event]:
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+
+
+# Allocations (less deallocations) of container objects between two young collections;
+# CPython's default is 700. See `tune_gc`.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Set the garbage collector up for serving; call once, when the service is up.
+
+    What the service built to start (modules, schemas, settings, connections) lives as
+    long as the process: frozen, it is out of every later collection's walk. And a young
+    generation of 700 objects is collected while the requests in flight still hold theirs
+    (frames, envelopes, spans), which then survive into the older generations and set off
+    full collections, on the event loop; at 20,000 they are mostly gone before the next
+    collection. With tracing on (each request's spans) this cut the mesh's CPU by ~90 µs
+    per request; off, it is neutral (docs/performance.md, "Levers")."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def configure_logging(level: str, label: str) -> None:

@@ -25,7 +25,7 @@ from genmesh.services.frontend.traces import TraceObserver
 from genmesh.shared import tracing
 from genmesh.shared.bus import connect
 from genmesh.shared.discovery import WorkerDirectory
-from genmesh.shared.lifecycle import stop_signals
+from genmesh.shared.lifecycle import stop_signals, tune_gc
 from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -165,5 +165,6 @@ async def serve_frontend(config: FrontendConfig) -> None:
         stop_signals() as stop,
         running_frontend(config),
     ):
+        tune_gc()
         await stop.wait()
         log.info("frontend stopping")

@@ -11,7 +11,7 @@ from genmesh.services.router.metrics import router_registry
 from genmesh.services.router.service import Router
 from genmesh.shared import tracing
 from genmesh.shared.bus import connect, drain_or_close
-from genmesh.shared.lifecycle import stop_signals
+from genmesh.shared.lifecycle import stop_signals, tune_gc
 from genmesh.shared.metrics import serving_metrics
 from genmesh.shared.subjects import Subjects
 
@@ -47,5 +47,6 @@ async def serve_router(config: RouterConfig) -> None:
         stop_signals() as stop,
         running_router(config),
     ):
+        tune_gc()
         await stop.wait()
         log.info("router %s stopping", config.router_id)

@@ -15,7 +15,7 @@ from genmesh.services.worker.metrics import worker_registry
 from genmesh.services.worker.service import Worker
 from genmesh.shared import tracing
 from genmesh.shared.bus import connect, drain_or_close
-from genmesh.shared.lifecycle import stop_signals
+from genmesh.shared.lifecycle import stop_signals, tune_gc
 from genmesh.shared.metrics import serving_metrics
 from genmesh.shared.subjects import Subjects
 
@@ -56,5 +56,6 @@ async def serve_worker(config: WorkerProcessConfig, engine: Engine) -> None:
         stop_signals() as stop,
         running_worker(config, engine),
     ):
+        tune_gc()
         await stop.wait()
         log.info("worker %s stopping", worker_id)
