@@ -1,7 +1,9 @@
-"""Benchmark SGLang /generate through the genmesh mesh against a direct-engine baseline.
+"""Benchmark SGLang /generate (or vLLM's /inference/v1/generate) through the genmesh mesh
+against a direct-engine baseline.
 
     .venv/bin/python benchmarks/bench_generate.py [--requests N] [--concurrency 1,32]
         [--output-tokens 16] [--prompt-tokens 32] [--workers 1] [--repeats R] [--json FILE]
+        [--format sglang|vllm]
 
 Starts a nats-server and a mesh (1 router, `--workers` instant mock workers, 1 frontend),
 each its own OS process, and the direct-engine baseline (`benchmarks/direct_engine.py`: the same
@@ -78,14 +80,17 @@ def instant_worker(nats_url: str, **service: Any) -> WorkerProcessConfig:
     )
 
 
-def start_mesh(procs: Supervisor, nats_url: str, http_port: int, *workers: Any) -> None:
+def start_mesh(
+    procs: Supervisor, nats_url: str, http_port: int, *workers: Any, fmt: str = "sglang"
+) -> None:
     """1 router, the workers given (an instant mock if none; named worker-1, ...), a
-    frontend on `http_port`."""
+    frontend on `http_port` serving `fmt`."""
     mesh = mesh_connection(nats_url)
     procs.spawn_genmesh("router", RouterConfig(mesh=mesh))
     for index, worker in enumerate(workers or (instant_worker(nats_url),), 1):
         procs.spawn_genmesh(f"worker-{index}", worker)
-    procs.spawn_genmesh("frontend", FrontendConfig(mesh=mesh, host="127.0.0.1", port=http_port))
+    frontend = FrontendConfig(mesh=mesh, host="127.0.0.1", port=http_port, generate_format=fmt)
+    procs.spawn_genmesh("frontend", frontend)
 
 
 def cpu_ticks(pid: int) -> int:
@@ -110,6 +115,7 @@ class Target:
     url: str
     pids: dict[str, list[int]]  # the server processes whose CPU counts, by group
     session: aiohttp.ClientSession | None = None
+    fmt: str = "sglang"  # the format it serves (PATHS)
 
 
 @dataclass
@@ -162,13 +168,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def request_body(prompt_tokens: int, output_tokens: int, stream: bool) -> bytes:
-    body = {
-        "input_ids": [(7 * i + 1) % 50_000 for i in range(prompt_tokens)],
-        "sampling_params": {"max_new_tokens": output_tokens, "ignore_eos": True},
-        "stream": stream,
-    }
+# The formats the benchmark speaks (`--format`), by the path each serves.
+PATHS = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
+
+
+def request_body(
+    prompt_tokens: int, output_tokens: int, stream: bool, fmt: str = "sglang"
+) -> bytes:
+    prompt = [(7 * i + 1) % 50_000 for i in range(prompt_tokens)]
+    body: dict[str, Any] = (
+        {"token_ids": prompt, "sampling_params": {"max_tokens": output_tokens}}
+        if fmt == "vllm"
+        else {"input_ids": prompt, "sampling_params": {"max_new_tokens": output_tokens}}
+    )
+    body["sampling_params"]["ignore_eos"] = True
+    body["stream"] = stream
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def output_of(data: dict[str, Any], fmt: str) -> tuple[int, bool]:
+    """The output ids in a unary body or SSE chunk, and whether it carries the finish."""
+    if fmt == "vllm":  # vLLM's last chunk may carry only the usage, with no choices
+        choices = data["choices"]
+        return sum(len(c["token_ids"]) for c in choices), any(
+            c["finish_reason"] is not None for c in choices
+        )
+    return len(data["output_ids"]), data["meta_info"]["finish_reason"] is not None
 
 
 class Incomplete(Exception):
@@ -179,7 +204,12 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, payload: bytes, stream: bool, tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: bytes,
+    stream: bool,
+    tokens: int,
+    fmt: str = "sglang",
 ) -> tuple[float, float]:
     """(latency, ttfb) in seconds; raises on any failure or incomplete response."""
     t0 = time.perf_counter()
@@ -203,8 +233,9 @@ async def one_request(
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise Incomplete("SSE error event")
-                count += len(chunk["output_ids"])
-                finished = chunk["meta_info"]["finish_reason"] is not None
+                ids, ends = output_of(chunk, fmt)
+                count += ids
+                finished = finished or ends
             if not (done and finished):
                 raise Incomplete("SSE stream ended early")
         else:
@@ -215,7 +246,7 @@ async def one_request(
                 if not part:
                     break
                 parts.append(part)
-            count = len(json.loads(b"".join(parts))["output_ids"])
+            count = output_of(json.loads(b"".join(parts)), fmt)[0]
     latency = time.perf_counter() - t0
     if count != tokens:
         raise Incomplete(f"{count} output ids, expected {tokens}")
@@ -237,8 +268,8 @@ async def run_load(
     assert target.session is not None
     session = target.session
     stream = mode == "sse"
-    payload = request_body(prompt_tokens, output_tokens, stream)
-    url = target.url + "/generate"
+    payload = request_body(prompt_tokens, output_tokens, stream, target.fmt)
+    url = target.url + PATHS[target.fmt]
     issued = itertools.count()
     latencies: list[float] = []
     ttfbs: list[float] = []
@@ -247,7 +278,9 @@ async def run_load(
     async def client() -> None:
         while next(issued) < requests:
             try:
-                latency, ttfb = await one_request(session, url, payload, stream, output_tokens)
+                latency, ttfb = await one_request(
+                    session, url, payload, stream, output_tokens, target.fmt
+                )
             except (aiohttp.ClientError, OSError, Incomplete, ValueError, KeyError) as exc:
                 errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
                 continue
@@ -306,7 +339,12 @@ async def wait_generate_ok(target: Target, procs: Supervisor) -> None:
         procs.check_alive()
         try:
             await one_request(
-                target.session, target.url + "/generate", request_body(4, 2, False), False, 2
+                target.session,
+                target.url + PATHS[target.fmt],
+                request_body(4, 2, False, target.fmt),
+                False,
+                2,
+                target.fmt,
             )
             return
         except (aiohttp.ClientError, OSError, TimeoutError, Incomplete) as exc:
@@ -547,7 +585,7 @@ def _modes(value: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="genmesh mesh vs direct-engine benchmark for SGLang /generate",
+        description="genmesh mesh vs direct-engine benchmark for SGLang /generate (or vLLM's)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--requests", type=int, default=4000, help="requests per measured run")
@@ -566,6 +604,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cancel-speedup", type=float, default=0.05, help="mock speed-up of the slow worker"
     )
+    p.add_argument("--format", choices=PATHS, default="sglang", help="the generate format to load")
     p.add_argument("--json", metavar="FILE", help="also save every result as JSON")
     p.add_argument("--keep-logs", action="store_true", help="keep the service logs directory")
     args = p.parse_args(argv)
@@ -595,9 +634,13 @@ async def bench(
         f"http://127.0.0.1:{ports['frontend']}",
         {role: [c.pid for c in procs.children if c.role == role] for role in MESH_PROCS}
         | {"nats": [procs.nats.pid]},
+        fmt=args.format,
     )
     direct = Target(
-        "direct", f"http://127.0.0.1:{ports['direct']}", {"direct": [procs.get("direct").pid]}
+        "direct",
+        f"http://127.0.0.1:{ports['direct']}",
+        {"direct": [procs.get("direct").pid]},
+        fmt=args.format,
     )
     limit = max(args.concurrency)
     for target in (mesh, direct):
@@ -712,7 +755,7 @@ def environment() -> dict[str, Any]:
 def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     print()
     print(
-        f"genmesh /generate benchmark: {args.requests} requests/run, "
+        f"genmesh {PATHS[args.format]} benchmark: {args.requests} requests/run, "
         f"prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens, "
         f"median of {args.repeats} repeats; {report['env']['cpus']} CPUs, "
         f"loadavg at start {' '.join(report['env']['loadavg_at_start'])}, "
@@ -755,12 +798,12 @@ def main(argv: list[str] | None = None) -> int:
         nats_url = procs.start_nats()
         ports = {"frontend": free_port(), "direct": free_port()}
         workers = [instant_worker(nats_url) for _ in range(args.workers)]
-        start_mesh(procs, nats_url, ports["frontend"], *workers)
+        start_mesh(procs, nats_url, ports["frontend"], *workers, fmt=args.format)
         procs.spawn(
             "direct",
             "direct",
             [sys.executable, str(HERE / "direct_engine.py"), "--host", "127.0.0.1",
-             "--port", str(ports["direct"])],
+             "--port", str(ports["direct"]), "--format", args.format],
         )  # fmt: skip
         say(
             f"started nats, router, {args.workers} worker(s), frontend, direct engine "
@@ -778,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
                 "output_tokens",
                 "prompt_tokens",
                 "workers",
+                "format",
                 "repeats",
                 "warmup",
                 "cancel_trials",

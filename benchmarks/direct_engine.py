@@ -1,6 +1,7 @@
 """The direct-engine baseline: genmesh's own frontend with the mock engine in-process.
 
     python benchmarks/direct_engine.py --port 8100 [--host 127.0.0.1] [--speedup 0]
+        [--format sglang]
 
 The same aiohttp app, format, handler and engine as the mesh, but the handler's backend is
 `LocalBackend`, which runs the engine in this process instead of dispatching over NATS to
@@ -29,7 +30,7 @@ from genmesh.shared.loop import run
 BODY_LIMIT_BYTES = 32 * 1024 * 1024  # the frontend's default --body-limit-mb
 
 
-async def serve(host: str, port: int, speedup: float) -> None:
+async def serve(host: str, port: int, speedup: float, fmt: str) -> None:
     engine = MockEngine(MockConfig(speedup=speedup))
     state = FrontendState(
         backend=LocalBackend(engine),
@@ -37,7 +38,7 @@ async def serve(host: str, port: int, speedup: float) -> None:
         default_model=engine.config.model,
         started=time.time(),
     )
-    app = build_app(state, load_generate_formats("sglang"), body_limit_bytes=BODY_LIMIT_BYTES)
+    app = build_app(state, load_generate_formats(fmt), body_limit_bytes=BODY_LIMIT_BYTES)
     # As the frontend does: a disconnect cancels the handler, and with it the engine.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--speedup", type=float, default=0.0, help="mock speed-up; 0 = instant")
+    parser.add_argument("--format", default="sglang", help="the generate format to serve")
     parser.add_argument("--log-level", default="warning")
     # The mesh's services run on uvloop unless told otherwise; so does their baseline.
     parser.add_argument("--event-loop", default="uvloop", choices=EVENT_LOOPS)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s direct %(levelname)s %(name)s: %(message)s",
     )
-    run(serve(args.host, args.port, args.speedup), args.event_loop)
+    run(serve(args.host, args.port, args.speedup, args.format), args.event_loop)
     return 0
 
 

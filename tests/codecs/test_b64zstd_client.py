@@ -19,6 +19,7 @@ from genmesh.formats.catalog import ConfigError, installed_client_codecs, load_g
 from genmesh.formats.client_codec import ClientCodec, ClientCodecError, CodecFormat
 from genmesh.formats.merge import fold
 from genmesh.formats.sglang import SglangFormat
+from genmesh.shared.envelope import TokenIds
 from genmesh_b64zstd import B64ZstdClientCodec, decode_int32, encode_int32
 
 pytestmark = pytest.mark.unit
@@ -90,6 +91,33 @@ def test_batch_of_strings_and_mixed_batches() -> None:
     assert codec.decode_request(strings)["input_ids"] == [[1, 2], [3]]
     mixed = {"input_ids": [encode_int32([1, 2]), [3, 4]]}
     assert codec.decode_request(mixed)["input_ids"] == [[1, 2], [3, 4]]
+
+
+def test_token_ids_decode_packed_and_negatives_as_a_list() -> None:
+    # Token ids come out as the packed prompt the format would have made of a list; a
+    # negative int32 as the list of values, for the format to name it as it names a list's.
+    top = 2**31 - 1
+    assert type(codec.decode_request({"input_ids": encode_int32([0, 7, top])})["input_ids"]) is (
+        TokenIds
+    )
+    batch = codec.decode_request({"input_ids": [encode_int32([1]), encode_int32([2, -3])]})
+    assert [type(row) for row in batch["input_ids"]] == [TokenIds, list]
+    assert batch["input_ids"] == [[1], [2, -3]]
+
+
+@given(st.lists(int32, max_size=50))
+def test_decoded_prompts_equal_the_values_encoded(values: list[int]) -> None:
+    assert codec.decode_request({"input_ids": encode_int32(values)})["input_ids"] == values
+
+
+def test_the_format_takes_the_decoded_array_as_it_is() -> None:
+    fmt = wrapped()
+    decoded = codec.decode_request({"input_ids": encode_int32([5, 6, 7])})["input_ids"]
+    body = {"input_ids": encode_int32([5, 6, 7]), "sampling_params": {"n": 2}}
+    prompts = [item.token_ids for item in fmt.bind(body, {}).items]
+    assert all(type(p) is TokenIds for p in prompts)
+    assert prompts == [decoded, decoded]
+    assert prompts[0] is prompts[1]  # one array for the prompt, not a copy per sample
 
 
 @pytest.mark.parametrize(

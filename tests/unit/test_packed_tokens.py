@@ -13,6 +13,7 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from genmesh.client import request
 from genmesh.codecs import CodecError, get_codec
@@ -21,6 +22,7 @@ from genmesh.engines.mock import advance, advance_all, initial_state
 from genmesh.formats.base import RequestRejected
 from genmesh.formats.sglang import request as sglang_request
 from genmesh.formats.vllm import VllmFormat
+from genmesh.formats.vllm.schema import GenerateRequest
 from genmesh.records.hashing import int32le
 from genmesh.shared.envelope import MAX_TOKEN_ID, Envelope, EnvelopeError, TokenIds
 
@@ -206,3 +208,94 @@ def test_vllm_prompts_are_token_ids() -> None:
     bound = fmt.bind(fmt.parse(json.dumps(body).encode()), {"content-type": "application/json"})
     assert all(isinstance(env.token_ids, TokenIds) for env in bound.items)
     assert bound.items[0].token_ids == [4, 5, 6]
+
+
+class VllmDeclaration(BaseModel):
+    """`token_ids` exactly as vLLM declares it: what the fast path must agree with."""
+
+    token_ids: list[int] = Field(min_length=1)
+
+    @field_validator("token_ids")
+    @classmethod
+    def validate_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token_ids must not contain negative values")
+        return v
+
+
+def vllm_outcome(model: type[BaseModel], token_ids: Any) -> Any:
+    """The validated ids as a list, or the errors pydantic reports (without the exception
+    objects in their context, which compare by identity)."""
+    try:
+        validated = model.model_validate({"token_ids": token_ids, "sampling_params": {}})
+    except ValidationError as exc:
+        return exc.errors(include_url=False, include_context=False)
+    value = validated.token_ids  # type: ignore[attr-defined]
+    return ("ok", list(value), type(value) is TokenIds)
+
+
+VLLM_EDGES = [
+    [1, 2, 3],
+    [0, MAX_TOKEN_ID],
+    [True, False, 5],  # booleans are 1 and 0, in pydantic's lax mode and in the array
+    [1.0, 2],  # integral floats: pydantic's
+    [1, 2.5],
+    ["3", 4],
+    [2**31],  # a token id no more, but an int: the format refuses it after the schema
+    [2**32],
+    [2**70],
+    [-1],
+    [3, -(2**40)],
+    [[1, 2]],
+    [1, None],
+    [],
+    None,
+    "1,2",
+    {"a": 1},
+]
+
+
+@pytest.mark.parametrize("ids", VLLM_EDGES, ids=repr)
+def test_vllm_schema_agrees_with_vllms_declaration(ids: Any) -> None:
+    fast = vllm_outcome(GenerateRequest, ids)
+    reference = vllm_outcome(VllmDeclaration, ids)
+    if isinstance(reference, tuple):
+        assert fast[:2] == reference[:2]
+    else:
+        assert fast == reference
+
+
+def test_vllm_packs_plain_token_ids_in_c_and_leaves_the_rest_to_pydantic() -> None:
+    assert vllm_outcome(GenerateRequest, [1, True, MAX_TOKEN_ID])[2] is True
+    for ids in ([1.0, 2], ["3"], [2**31], [2**40]):
+        assert vllm_outcome(GenerateRequest, ids)[2] is False
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(min_value=-3, max_value=2**33),
+            st.booleans(),
+            st.floats(allow_nan=False, allow_infinity=False, width=16),
+            st.sampled_from(["7", "x", None]),
+        ),
+        max_size=6,
+    )
+)
+def test_vllm_schema_agrees_with_vllms_declaration_on_mixed_lists(ids: list[Any]) -> None:
+    fast = vllm_outcome(GenerateRequest, ids)
+    reference = vllm_outcome(VllmDeclaration, ids)
+    assert (fast[:2] if isinstance(fast, tuple) else fast) == (
+        reference[:2] if isinstance(reference, tuple) else reference
+    )
+
+
+@pytest.mark.parametrize(
+    ("ids", "packed"), [([True, 2], [1, 2]), ([1.0, 2], [1, 2]), (["3", 4], [3, 4])]
+)
+def test_vllm_binds_a_coerced_prompt_as_its_ints(ids: list[Any], packed: list[int]) -> None:
+    fmt = VllmFormat()
+    body = {"token_ids": ids, "sampling_params": {}}
+    bound = fmt.bind(fmt.parse(json.dumps(body).encode()), {"content-type": "application/json"})
+    assert isinstance(bound.items[0].token_ids, TokenIds)
+    assert bound.items[0].token_ids == packed

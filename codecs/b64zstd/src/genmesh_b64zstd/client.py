@@ -4,7 +4,9 @@ Integer arrays travel as `base64(zstd(int32 little-endian))`:
 
 - request `input_ids`: one such string, or (a batch) a list whose items are such strings
   or plain lists; plain lists of ints still work and are left alone, as is anything else
-  (the format rejects it in its own words);
+  (the format rejects it in its own words). A string decodes straight into the packed
+  prompt (`TokenIds`, the array the format would have packed a list into), so a long
+  prompt makes no Python int per token;
 - record `output_ids`: always encoded;
 - record `meta_info.routed_experts`: the SGLang format already sends Base64 of
   little-endian int32; the codec compresses the bytes and re-encodes them.
@@ -19,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from genmesh.codecs.int32 import first_high, from_le_bytes
 from genmesh.formats.base import Record
 from genmesh.formats.client_codec import ClientCodecError
 from genmesh.formats.merge import Joiner
+from genmesh.shared.envelope import TokenIds
 from genmesh_b64zstd import _zstd
 
 OUTPUT_IDS = "output_ids"
@@ -53,9 +57,17 @@ class B64ZstdClientCodec:
 
     # ------------------------------------------------------------------ requests
 
-    def _ids(self, value: str, where: str) -> list[int]:
+    def _ids(self, value: str, where: str) -> TokenIds | list[int]:
+        """A prompt, decoded: as TokenIds (packed, no Python int per token) when every
+        value is a token id, which the format takes as it is; else as the list of int32
+        values, so the format names a negative one as it names it in a plain list."""
         try:
-            return decode_int32(value, self.max_decoded_bytes)
+            data = _zstd.decompress(_zstd.b64decode(value), self.max_decoded_bytes)
+            if len(data) % 4 == 0:
+                packed = from_le_bytes(data, TokenIds())
+                if first_high(packed) is None:  # no negative int32
+                    return packed
+            return _zstd.unpack_int32(data)  # which also refuses a partial int32
         except _zstd.DecodeError as exc:
             raise ClientCodecError(
                 f"{where}: expected Base64 of zstd-compressed little-endian int32: {exc}"

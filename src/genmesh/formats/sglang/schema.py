@@ -23,7 +23,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, PlainValidator, TypeAdapter, ValidationError
 
 from genmesh.formats.fastapi import body_errors
-from genmesh.shared.envelope import IntArray, pack_token_ids
+from genmesh.shared.envelope import IntArray, TokenIds, pack_token_ids
 
 Json = dict[str, Any]
 
@@ -32,7 +32,11 @@ def _i64_row(value: Any, where: str = "") -> IntArray:
     """One prompt: a list of int64 token ids (SGLang checks the first entry, then packs the
     list into a C int64 array, which is what refuses any other entry). Packed here once, in
     C: as TokenIds when every entry is a token id, which is every prompt the mesh can
-    carry; else as the int64 array, which `request._prompts` refuses in SGLang's words."""
+    carry; else as the int64 array, which `request._prompts` refuses in SGLang's words.
+    TokenIds are taken as they are: a client codec's prompt, decoded straight into one
+    (codecs/b64zstd), holds token ids only."""
+    if isinstance(value, TokenIds):
+        return value
     if not isinstance(value, list):
         raise ValueError(f"{where}must be list; got {type(value).__name__}")
     if value and not isinstance(value[0], int):
@@ -49,13 +53,13 @@ def _i64_row(value: Any, where: str = "") -> IntArray:
 
 def input_ids_type(value: Any) -> IntArray | list[IntArray] | None:
     """`input_ids`: null, one prompt, or a batch of prompts (SGLang's C-loop validator)."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, TokenIds):
+        return value
     if not isinstance(value, list):
         raise ValueError(f"must be list or null; got {type(value).__name__}")
     if not value or isinstance(value[0], int):
         return _i64_row(value)
-    if isinstance(value[0], list):
+    if isinstance(value[0], list | TokenIds):
         return [_i64_row(row, f"row {i}: ") for i, row in enumerate(value)]
     raise ValueError(f"elements must be int or list; got {type(value[0]).__name__}")
 

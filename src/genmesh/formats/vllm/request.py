@@ -351,11 +351,12 @@ def _logprobs(sp: SamplingParams, info: EngineInfo | None) -> tuple[int | None, 
     return resolved[0], resolved[1]
 
 
-def _check_token_ids(prompt: list[int], sp: SamplingParams) -> TokenIds:
+def _check_token_ids(prompt: TokenIds | list[int], sp: SamplingParams) -> TokenIds:
     """Token ids the mesh can carry, and the prompt as a token array. vLLM checks them
     against the vocabulary, which the mesh does not know; it bounds them by the envelope's
-    token id range (the schema refused negatives)."""
-    packed = pack_token_ids(prompt)  # one C pass
+    token id range (the schema refused negatives, and packed every prompt of plain token
+    ids already: a list is what pydantic coerced or what is out of range)."""
+    packed = prompt if isinstance(prompt, TokenIds) else pack_token_ids(prompt)  # one C pass
     if packed is None:
         i = next(i for i, tid in enumerate(prompt) if tid > MAX_TOKEN_ID)
         raise _reject(f"Token id {prompt[i]} is out of vocabulary", f"token_ids.{i}")

@@ -23,21 +23,26 @@ not refused here but in `request.py`, after vLLM's own validation, as the server
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import field
 from enum import Enum
-from typing import Any, ClassVar, Literal, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, get_type_hints
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     GetCoreSchemaHandler,
+    GetPydanticSchema,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 from pydantic.dataclasses import dataclass
 from pydantic_core import core_schema
+
+from genmesh.shared.envelope import TokenIds, pack_token_ids
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
@@ -376,12 +381,37 @@ class ReasoningParserKwargs(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+def _packed_prompt(value: Any, checked: ValidatorFunctionWrapHandler) -> TokenIds | list[int]:
+    """`token_ids`: a list of plain token ids (every prompt the mesh can carry) is packed
+    into TokenIds in one C pass, which also refuses what is not one; anything else, or an
+    empty list, is `checked` by pydantic's `list[int]` with vLLM's `min_length=1` (lax:
+    booleans, integral floats, numeric strings, big or negative ints), so what is accepted
+    and every refusal stay vLLM's. Where both accept they agree: a boolean packs as 0 or 1,
+    as pydantic makes it."""
+    if isinstance(value, list) and value:
+        with contextlib.suppress(TypeError):  # an entry that is no int: pydantic's to judge
+            packed = pack_token_ids(value)
+            if packed is not None:
+                return packed
+    result: list[int] = checked(value)
+    return result
+
+
+def _prompt_schema(_source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+    checked = handler.generate_schema(Annotated[list[int], Field(min_length=1)])
+    return core_schema.no_info_wrap_validator_function(_packed_prompt, checked)
+
+
+# vLLM's `token_ids: list[int] = Field(min_length=1)`, packed on the way (`_packed_prompt`).
+Prompt = Annotated[TokenIds | list[int], GetPydanticSchema(_prompt_schema)]
+
+
 class GenerateRequest(BaseModel):
     """vLLM's token-in/token-out `GenerateRequest` (unknown fields are ignored).
     `request_id` has no default here: the format mints the public ID itself."""
 
     request_id: str | None = None
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: Prompt
     token_offsets: list[tuple[int, int]] | None = None
     features: MultiModalFeatures | None = None
     content_parts: list[dict[str, Any]] | None = None
@@ -404,9 +434,10 @@ class GenerateRequest(BaseModel):
 
     @field_validator("token_ids")
     @classmethod
-    def validate_token_ids(cls, v: list[int]) -> list[int]:
-        # vLLM's check, `any(t < 0 for t in v)`; min() is the same test, done in C.
-        if v and min(v) < 0:
+    def validate_token_ids(cls, v: TokenIds | list[int]) -> TokenIds | list[int]:
+        # vLLM's check, `any(t < 0 for t in v)`; min() is the same test, done in C. Packed
+        # ids are never negative: only the slow path's list needs it.
+        if isinstance(v, list) and min(v) < 0:
             raise ValueError("token_ids must not contain negative values")
         return v
 
