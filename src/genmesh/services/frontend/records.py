@@ -282,7 +282,7 @@ class RequestRecording:
                 "headers": _headers(info.headers),
                 "items": [
                     {
-                        "prompt_token_ids": list(item.envelope.token_ids),
+                        "prompt_token_ids": item.envelope.token_ids.tolist(),
                         "output_token_ids": item.summary.token_ids or [],
                     }
                     for item in self.items
