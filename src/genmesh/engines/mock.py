@@ -484,18 +484,23 @@ class MockEngine:
                     yield out
                     return
                 step: BiasedStep | None = None
-                if bias is None:
-                    candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                if bias is None and not want_lp and n >= min_tokens:
+                    # Only the token is wanted: the greedy one, as `top` would rank it
+                    # first, without its logprob and list (a third of the cost per token).
+                    token = model.greedy_token(state)
                 else:
-                    step = model.biased(state, bias)
-                    # Best biased logit first; each carries its raw logprob (vLLM's).
-                    candidates = [(t, lp) for t, lp, _ in step.ranked]
-                token, logprob = candidates[0]
-                if n < min_tokens and token in banned:
-                    # Masked like a real engine masks stop logits: take the best allowed one.
-                    token, logprob = next(
-                        ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
-                    )
+                    if bias is None:
+                        candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                    else:
+                        step = model.biased(state, bias)
+                        # Best biased logit first; each carries its raw logprob (vLLM's).
+                        candidates = [(t, lp) for t, lp, _ in step.ranked]
+                    token, logprob = candidates[0]
+                    if n < min_tokens and token in banned:
+                        # Masked as a real engine masks stop logits: the best allowed one.
+                        token, logprob = next(
+                            ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
+                        )
                 shown = step if biased_logprobs else None
                 if not out.tokens:
                     # The chunk's first token: its per-token lists start here.
