@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -785,14 +786,51 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="genmesh-bench-"))
-    procs = Supervisor(logdir=workdir, env=clean_environment(prefixes=("GENMESH_",)))
+def run_benchmark(
+    body: Callable[[], dict[str, Any]],
+    stop: Callable[[], None],
+    workdir: Path,
+    keep_logs: bool,
+    json_path: str | None,
+) -> int:
+    """Run a benchmark's `body` (it prints its report and returns what `--json` saves) and
+    always `stop` its processes: exit status 0, 130 when Ctrl-C or SIGTERM ended it, 1 when
+    it failed, and then the services' logs in `workdir` are kept (else removed, unless
+    `keep_logs`)."""
     failed = True
     # SIGTERM ends the benchmark like Ctrl-C: through the finally below.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        report = body()
+        if json_path:
+            Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+            say(f"results saved to {json_path}")
+        failed = False
+        return 0
+    except KeyboardInterrupt:
+        failed = False
+        say("interrupted; stopping")
+        return 130
+    except Exception as exc:
+        say(f"failed: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        # Ctrl-C during the cleanup must not leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop()
+        if failed or keep_logs:
+            say(f"service logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="genmesh-bench-"))
+    procs = Supervisor(logdir=workdir, env=clean_environment(prefixes=("GENMESH_",)))
+
+    def body() -> dict[str, Any]:
         env = environment()
         started = time.monotonic()
         nats_url = procs.start_nats()
@@ -831,27 +869,9 @@ def main(argv: list[str] | None = None) -> int:
         report["elapsed_s"] = round(time.monotonic() - started, 1)
         print_report(args, report)
         print(f"\n(took {report['elapsed_s']:.0f} s)")
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-            say(f"results saved to {args.json}")
-        failed = False
-        return 0
-    except KeyboardInterrupt:
-        failed = False
-        say("interrupted; stopping")
-        return 130
-    except Exception as exc:
-        say(f"failed: {type(exc).__name__}: {exc}")
-        return 1
-    finally:
-        # Ctrl-C during the cleanup must not leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        procs.stop()
-        if failed or args.keep_logs:
-            say(f"service logs kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        return report
+
+    return run_benchmark(body, procs.stop, workdir, args.keep_logs, args.json)
 
 
 if __name__ == "__main__":

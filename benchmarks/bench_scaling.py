@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +45,7 @@ from bench_generate import (
     instant_worker,
     loadavg,
     mesh_connection,
+    run_benchmark,
     run_load,
     say,
     wait_generate_ok,
@@ -292,9 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="genmesh-scaling-"))
     live: list[Supervisor] = []  # the mesh being measured, for the cleanup below
-    failed = True
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
+
+    def body() -> dict[str, Any]:
         env = environment()
         started = time.monotonic()
         rows = asyncio.run(bench(args, workdir, live))
@@ -317,28 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         print(render(rows), flush=True)
         elapsed = time.monotonic() - started
         print(f"\n(took {elapsed:.0f} s)")
-        if args.json:
-            report = {"config": vars(args), "env": env, "rows": rows, "elapsed_s": elapsed}
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-            say(f"results saved to {args.json}")
-        failed = False
-        return 0
-    except KeyboardInterrupt:
-        failed = False
-        say("interrupted; stopping")
-        return 130
-    except Exception as exc:
-        say(f"failed: {type(exc).__name__}: {exc}")
-        return 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return {"config": vars(args), "env": env, "rows": rows, "elapsed_s": elapsed}
+
+    def stop() -> None:
         for procs in live:
             procs.stop()
-        if failed or args.keep_logs:
-            say(f"service logs kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+
+    return run_benchmark(body, stop, workdir, args.keep_logs, args.json)
 
 
 if __name__ == "__main__":
