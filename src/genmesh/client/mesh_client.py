@@ -42,7 +42,14 @@ from genmesh.shared.bus import (
 )
 from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
-from genmesh.shared.envelope import Envelope, OutputOptions, Routing, Sampling, token_array
+from genmesh.shared.envelope import (
+    Envelope,
+    OutputOptions,
+    Routing,
+    Sampling,
+    TokenIds,
+    token_array,
+)
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.subjects import Subjects
@@ -76,7 +83,10 @@ def request(
     sequence of token IDs, checked here as a worker checks them (`EnvelopeError`)."""
     return Envelope(
         id=new_request_id(),
-        token_ids=token_array(list(token_ids), "token_ids"),
+        # A token array is checked as it is; any other sequence as the list it holds.
+        token_ids=token_array(
+            token_ids if isinstance(token_ids, TokenIds) else list(token_ids), "token_ids"
+        ),
         format="tokens",
         model=model,
         client_id=client_id,
