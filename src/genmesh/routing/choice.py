@@ -73,7 +73,7 @@ class Chooser:
         if routing.exclude:
             excluded = set(routing.exclude)
             free = [w for w in free if w.id not in excluded] or free
-        worker = self.policy.choose(free)
+        worker = self.policy.choose(free, envelope)
         directory.note_sent(worker)
         return Decision(worker, free)
 

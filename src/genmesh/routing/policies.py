@@ -10,12 +10,15 @@ from genmesh.shared.settings import option
 
 if TYPE_CHECKING:  # imported for types only: the router's --help lists the policies
     from genmesh.shared.discovery import WorkerInfo
+    from genmesh.shared.envelope import Envelope
 
 
 class Policy(Protocol):
     name: str
 
-    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo: ...
+    def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
+        """One of `workers` (eligible, not full, never empty) for `envelope`."""
+        ...
 
 
 class RoundRobin:
@@ -24,7 +27,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+    def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         # Sorted, so the rotation is stable while the set is.
         ordered = sorted(workers, key=lambda w: w.id)
         return ordered[next(self._counter) % len(ordered)]
@@ -46,11 +49,11 @@ class Sticky:
         self._rotation = RoundRobin()
         self._last: str | None = None
 
-    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+    def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         for worker in workers:
             if worker.id == self._last and worker.open_here == 0:
                 return worker
-        chosen = self._rotation.choose(workers)
+        chosen = self._rotation.choose(workers, envelope)
         self._last = chosen.id
         return chosen
 
@@ -61,7 +64,7 @@ class Random:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+    def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         return self._rng.choice(workers)
 
 
@@ -77,7 +80,7 @@ class LeastLoaded:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, workers: list[WorkerInfo]) -> WorkerInfo:
+    def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         if len(workers) == 1:
             return workers[0]
         a, b = self._rng.sample(workers, 2)

@@ -34,6 +34,19 @@ class Subjects:
         """Answered by the worker while it lives: a requester's liveness check."""
         return f"{self.prefix}.worker.{worker_id}.ping"
 
+    def worker_kv_snapshot(self, worker_id: str) -> str:
+        """Answered by a worker that publishes KV events: its cache, for a router that
+        missed some (`shared/kv_events.KvSnapshotPage`)."""
+        return f"{self.prefix}.worker.{worker_id}.kv_snapshot"
+
+    def kv_events(self, worker_id: str) -> str:
+        """A worker's engine's KV cache events (`shared/kv_events.KvEventsMessage`)."""
+        return f"{self.prefix}.kv.{worker_id}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.prefix}.kv.*"
+
     def testkit(self, worker_id: str) -> str:
         """Fault control of a worker started with `--testkit-faults` (tests only)."""
         return f"{self.prefix}.testkit.{worker_id}"
