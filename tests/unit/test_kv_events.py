@@ -133,3 +133,19 @@ def test_stored_keys_continue_from_the_parent_key() -> None:
     assert stored_keys(BlockStored([1], None, TokenIds(range(16)), 16)) == whole[:1]
     assert stored_keys(BlockStored([2], 1, TokenIds(range(16, 32)), 16), whole[0]) == whole[1:]
     assert block_keys(tokens, 16, parent=ROOT_SEED) == whole
+
+
+def test_a_cache_salt_keys_every_block_apart_from_the_first_on() -> None:
+    from genmesh.shared.envelope import Envelope, Routing
+    from genmesh.shared.kv_events import request_block_keys
+
+    tokens = list(range(40))
+    plain = request_block_keys(Envelope("a", TokenIds(tokens)), 16)
+    salted = request_block_keys(
+        Envelope("b", TokenIds(tokens), routing=Routing(cache_salt="s")), 16
+    )
+    assert plain == block_keys(TokenIds(tokens), 16)
+    assert len(salted) == 2
+    assert salted[0] != plain[0]
+    assert salted[1] != plain[1]  # chained: the salt reaches every later block
+    assert salted == block_keys(TokenIds(tokens), 16, [("s",)])

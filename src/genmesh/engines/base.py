@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Finish, TopLogprobs, Usage
+from genmesh.shared.kv_events import KvEventBatch
 
 
 @dataclass(slots=True)
@@ -83,4 +84,9 @@ class Engine(Protocol):
     async def flush_cache(self) -> None:
         """Empty the engine's prefix cache. Raises `MeshError` when the engine refuses
         (SGLang does while it has requests) or fails."""
+        ...
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
+        """The engine's KV cache events, batch by batch in the engine's order, from start
+        to close (the worker relays them onto NATS); None when it publishes none."""
         ...

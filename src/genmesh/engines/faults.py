@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -23,6 +23,7 @@ from genmesh.engines.coalesce import split
 from genmesh.engines.http import incomplete, unavailable
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.kv_events import KvEventBatch
 
 FaultKind = Literal["http_error", "drop", "no_terminal", "done_early", "hang", "abort"]
 FAULT_KINDS: tuple[str, ...] = ("http_error", "drop", "no_terminal", "done_early", "hang", "abort")
@@ -151,6 +152,9 @@ class FaultyEngine:
 
     async def flush_cache(self) -> None:
         await self.inner.flush_cache()
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
+        return self.inner.kv_events()
 
     async def generate(self, envelope: Envelope) -> AsyncGenerator[EngineOutput, None]:
         fault = self.state.next_fault()

@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.kv_events import KvEventBatch
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class HttpEngineBase:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
+        return None
 
     async def post_admin(self, path: str, payload: Any = None) -> tuple[int, str]:
         """POST one of the server's admin routes (abort, flush): its status and body text,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampli
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
+from genmesh.shared.kv_events import KvEventBatch
 from genmesh.shared.settings import non_negative_float, option, positive_int
 
 _MASK = (1 << 64) - 1
@@ -290,6 +291,9 @@ class MockEngine:
             )
         if self.cache is not None:
             self.cache.clear()
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
+        return None
 
     def describe(self) -> dict[str, Any]:
         c = self.config

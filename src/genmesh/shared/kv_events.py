@@ -31,7 +31,7 @@ import msgpack
 import xxhash
 
 from genmesh.codecs.int32 import from_le_bytes, to_le_bytes
-from genmesh.shared.envelope import TokenIds
+from genmesh.shared.envelope import Envelope, TokenIds
 
 # An engine's block hash: an int (older vLLM, SGLang) or bytes (newer vLLM's sha256).
 EngineHash = int | bytes
@@ -388,3 +388,18 @@ def block_keys(
 def stored_keys(event: BlockStored, parent: int = ROOT_SEED) -> list[int]:
     """The router's keys of a stored event's blocks, given its parent block's key."""
     return block_keys(event.token_ids, event.block_size, event.extra_keys, parent)
+
+
+def request_extra_keys(envelope: Envelope) -> list[tuple[Any, ...] | None] | None:
+    """Per prompt block, what besides its tokens goes into its key, in vLLM's order
+    (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py): multimodal
+    items, then the cache salt, which only the first block carries. None: nothing."""
+    salt = envelope.routing.cache_salt
+    if not salt:
+        return None
+    return [(salt,)]
+
+
+def request_block_keys(envelope: Envelope, block_size: int) -> list[int]:
+    """The router's keys of the full blocks of a request's prompt."""
+    return block_keys(envelope.token_ids, block_size, request_extra_keys(envelope))
