@@ -108,9 +108,6 @@ class BlockPool:
     def cached_blocks(self) -> int:
         return len(self._cached)
 
-    def is_cached(self, block_hash: bytes) -> bool:
-        return block_hash in self._cached
-
     def take_events(self) -> list[KvEvent]:
         """The events queued since the last call, oldest first (vLLM's `take_events`)."""
         events, self._events = self._events, []
