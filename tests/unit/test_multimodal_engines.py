@@ -13,6 +13,7 @@ import pytest
 
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.mock import MockConfig, MockEngine
+from genmesh.engines.sglang import sglang_body
 from genmesh.engines.vllm import vllm_request
 from genmesh.formats.vllm import VllmFormat
 from genmesh.shared.envelope import Envelope, Sampling, TokenIds
@@ -99,3 +100,16 @@ def test_the_mock_refuses_a_layout_vllm_refuses(changes: dict[str, Any], message
         generate(envelope(features))
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
     assert info.value.message == message
+
+
+def test_an_sglang_engine_refuses_vllms_multimodal_items() -> None:
+    """SGLang workers take every format; an image must not silently become its
+    placeholder tokens."""
+    with pytest.raises(MeshError) as info:
+        sglang_body(bound(FEATURES), "r" * 32)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    assert info.value.message == (
+        "multimodal features (vLLM's rendered items) cannot be served by an SGLang engine"
+    )
+    no_items = {"mm_hashes": {}, "mm_placeholders": {}}
+    assert sglang_body(bound(no_items), "r" * 32)["input_ids"] == PROMPT
