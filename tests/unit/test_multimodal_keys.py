@@ -12,6 +12,8 @@ import logging
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from genmesh.codecs import get_codec
 from genmesh.shared.envelope import Envelope, Routing, TokenIds
@@ -56,14 +58,16 @@ def features(**changes: Any) -> dict[str, Any]:
 
 
 def test_vllms_own_extra_keys_cases() -> None:
-    """vLLM's tests/v1/core/test_kv_cache_utils.py `test_generate_block_hash_extra_keys`,
-    on the same request (20 tokens; items at 0..4 and 10..14)."""
+    """vLLM's tests/v1/core/test_kv_cache_utils.py `test_generate_block_hash_extra_keys`
+    (20 tokens; items at 0..4 and 10..14), on the blocks an engine hashes."""
     items = [MmItem("hash1", 0, 5), MmItem("hash2", 10, 5)]
-    assert mm_block_keys(items, 0, 5, 0) == ([("hash1", 0)], 1)
-    assert mm_block_keys(items, 3, 8, 0) == ([("hash1", -3)], 1)  # partial overlap
-    assert mm_block_keys(items, 6, 10, 0) == ([], 1)  # no overlap
-    assert mm_block_keys(items, 0, 15, 0) == ([("hash1", 0), ("hash2", 10)], 2)
-    assert mm_block_keys([], 0, 5, 0) == ([], 0)  # vLLM's `_no_mm_inputs` case
+    # Blocks of 5: each item in a block of its own, the blocks between without keys.
+    assert mm_block_keys(items, 5, 4) == [[("hash1", 0)], [], [("hash2", 0)], []]
+    # Blocks of 15: both items in the first block, in prompt order, with their offsets.
+    assert mm_block_keys(items, 15, 1) == [[("hash1", 0), ("hash2", 10)]]
+    # Partial overlap: an item from 3 to 7 in blocks of 5 began 2 tokens before block 1.
+    assert mm_block_keys([MmItem("hash1", 3, 5)], 5, 2) == [[("hash1", 3)], [("hash1", -2)]]
+    assert mm_block_keys([], 5, 4) == [[], [], [], []]  # vLLM's `_no_mm_inputs` case
 
 
 def test_the_blocks_an_image_touches_carry_its_hash_and_offset_then_the_salt() -> None:
@@ -240,3 +244,50 @@ def test_stored_events_with_these_extra_keys_give_the_requests_keys(array_like: 
         plain = decode_engine_batch(encode_engine_batch(KvEventBatch(1.0, [stored])))
         assert isinstance(plain.events[0], BlockStored)
         assert plain.events[0].extra_keys is None
+
+
+def vllm_gen_mm_extra_hash_keys(
+    items: list[MmItem], start: int, end: int, first: int
+) -> tuple[list[tuple[str, int]], int]:
+    """vLLM's `_gen_mm_extra_hash_keys` (vllm/v1/core/kv_cache_utils.py), transcribed as
+    the reference: one block at a time, from the item the previous block stopped at."""
+    keys: list[tuple[str, int]] = []
+    if not items or items[-1].offset + items[-1].length <= start:
+        return keys, first
+    i = first
+    while i < len(items):
+        item = items[i]
+        if end > item.offset:
+            if start >= item.offset + item.length:
+                i += 1
+                continue
+            keys.append((item.identifier, item.offset - start))
+            if end >= item.offset + item.length:
+                i += 1
+            else:
+                break
+        else:
+            break
+    return keys, i
+
+
+@given(
+    gaps=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), max_size=6),
+    block_size=st.integers(1, 32),
+    tail=st.integers(0, 40),
+)
+def test_keys_per_item_equal_vllms_walk_per_block(
+    gaps: list[tuple[int, int]], block_size: int, tail: int
+) -> None:
+    items, at = [], 0
+    for n, (gap, length) in enumerate(gaps):
+        items.append(MmItem(f"h{n}", at + gap, length))
+        at += gap + length
+    blocks = (at + tail) // block_size
+    expected, first = [], 0
+    for b in range(blocks):
+        keys, first = vllm_gen_mm_extra_hash_keys(
+            items, b * block_size, (b + 1) * block_size, first
+        )
+        expected.append(keys)
+    assert mm_block_keys(items, block_size, blocks) == expected

@@ -363,13 +363,14 @@ def extra_bytes(keys: Sequence[Any] | None) -> bytes:
     request's multimodal items and cache salt, and a stored event's `extra_keys`). A key
     may itself be a sequence (vLLM's multimodal `(hash, offset)`), which the engine's
     msgpack and the bus deliver as a list: a tuple and a list of the same keys are the
-    same bytes."""
+    same bytes. (vLLM's keys nest no deeper.)"""
     if not keys:
         return b""
     return b"\x1f".join(
-        b"(" + extra_bytes(k) + b")" if isinstance(k, list | tuple) else str(k).encode()
-        for k in keys
-    )
+        [b"(" + b"\x1f".join([str(x).encode() for x in k]) + b")"
+         if isinstance(k, list | tuple) else str(k).encode()
+         for k in keys]
+    )  # fmt: skip
 
 
 def block_keys(
@@ -400,30 +401,18 @@ def stored_keys(event: BlockStored, parent: int = ROOT_SEED) -> list[int]:
     return block_keys(event.token_ids, event.block_size, event.extra_keys, parent)
 
 
-def mm_block_keys(
-    items: Sequence[MmItem], start: int, end: int, first: int
-) -> tuple[list[tuple[str, int]], int]:
-    """The multimodal extra keys of the block of tokens `start:end`, and the index of the
-    item the next block starts looking at: vLLM's `_gen_mm_extra_hash_keys`
-    (vllm/v1/core/kv_cache_utils.py). Each item the block touches adds `(its hash, its
-    offset relative to the block's start)` (negative: it began in an earlier block);
-    `items` are in prompt order and `first` is where this block starts looking."""
-    keys: list[tuple[str, int]] = []
-    if not items or items[-1].offset + items[-1].length <= start:
-        return keys, first
-    i = first
-    while i < len(items):
-        item = items[i]
-        if end <= item.offset:
-            break  # the block ends before this item
-        if start >= item.offset + item.length:
-            i += 1  # the block starts after this item
-            continue
-        keys.append((item.identifier, item.offset - start))
-        if end < item.offset + item.length:
-            break  # the item goes on into the next block
-        i += 1
-    return keys, i
+def mm_block_keys(items: Sequence[MmItem], block_size: int, blocks: int) -> list[list[Any]]:
+    """Per block (of `blocks`), the multimodal extra keys vLLM gives it
+    (`_gen_mm_extra_hash_keys`, vllm/v1/core/kv_cache_utils.py): for each item the block
+    touches, in prompt order, `(item hash, item offset - block start)` (negative for an
+    item that began in an earlier block). vLLM walks every block past the items; this
+    walks each item's blocks, which gives the same keys for the blocks items touch only."""
+    keys: list[list[Any]] = [[] for _ in range(blocks)]
+    for item in items:
+        last = min((item.offset + item.length - 1) // block_size, blocks - 1)
+        for block in range(item.offset // block_size, last + 1):
+            keys[block].append((item.identifier, item.offset - block * block_size))
+    return keys
 
 
 def request_extra_keys(
@@ -448,16 +437,10 @@ def request_extra_keys(
     if not items:
         return [(salt,)] if salt else None
     covered = len(envelope.token_ids) if length is None else length
-    extra: list[tuple[Any, ...] | None] = []
-    first = 0
-    for start in range(0, covered - block_size + 1, block_size):
-        keys: list[Any] = []
-        mm, first = mm_block_keys(items, start, start + block_size, first)
-        keys.extend(mm)
-        if start == 0 and salt:
-            keys.append(salt)
-        extra.append(tuple(keys) or None)
-    return extra
+    per_block = mm_block_keys(items, block_size, covered // block_size)
+    if salt and per_block:
+        per_block[0].append(salt)
+    return [tuple(keys) if keys else None for keys in per_block]
 
 
 def request_block_keys(envelope: Envelope, block_size: int) -> list[int]:
