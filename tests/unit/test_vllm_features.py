@@ -206,6 +206,10 @@ def test_a_placeholder_past_the_prompt_is_refused() -> None:
 
 
 def test_metadata_only_items_need_ec_transfer_params() -> None:
+    """vLLM's `test_metadata_only_generate_requires_ec_transfer_params` and
+    `test_kwargs_and_metadata_generate_does_not_require_ec` (its mm-features tests),
+    without tensors: the check reads only which items have data. (With
+    `ec_transfer_params` vLLM would accept; this server refuses those, §3.6.)"""
     body = with_features(
         kwargs_data={"image": [None, "Yg=="]}, mm_metadata={"image": ["bQ==", None]}
     )
