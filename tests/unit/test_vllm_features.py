@@ -90,6 +90,18 @@ def test_features_reach_the_engine_unchanged_and_their_items_are_read_in_prompt_
     assert envelope_items(env) == [MmItem(A, 8, 8), MmItem(B, 20, 12)]
 
 
+def test_fields_this_version_does_not_know_still_reach_the_engine() -> None:
+    """Newest vLLM adds `is_embed` to a placeholder and `requires_kv` to the features;
+    this server's vLLM version ignores them, as vLLM ignores unknown keys, and passes them
+    on to the engine."""
+    newer = copy.deepcopy(FEATURES)
+    newer["mm_placeholders"]["image"][0]["is_embed"] = [True] * 8
+    newer["requires_kv"] = False
+    env = bind({**VALID, "features": newer}).items[0]
+    assert env.engine["features"] == newer
+    assert envelope_items(env) == [MmItem(A, 8, 8), MmItem(B, 20, 12)]
+
+
 def test_features_survive_the_bus() -> None:
     env = bind(VALID).items[0]
     env.id = "p" * 32

@@ -365,11 +365,17 @@ class StreamOptions(BaseModel):
 
 
 class PlaceholderRangeInfo(BaseModel):
+    # vLLM ignores unknown keys; they are kept here so that the engine still gets what a
+    # newer client sends (e.g. newest vLLM's `is_embed`): features are forwarded as validated.
+    model_config = ConfigDict(extra="allow")
+
     offset: int = Field(ge=0)
     length: int = Field(gt=0)
 
 
 class MultiModalFeatures(BaseModel):
+    model_config = ConfigDict(extra="allow")  # as PlaceholderRangeInfo's
+
     mm_hashes: dict[str, list[str]]
     mm_placeholders: dict[str, list[PlaceholderRangeInfo]]
     kwargs_data: dict[str, list[str | None]] | None = None
