@@ -29,6 +29,7 @@ from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
 from genmesh.shared.kv_events import KvEventBatch
+from genmesh.shared.multimodal import FeaturesError, envelope_items
 from genmesh.shared.settings import non_negative_float, option, positive_int
 
 _MASK = (1 << 64) - 1
@@ -342,6 +343,12 @@ class MockEngine:
                         ErrorCode.INVALID_ARGUMENT,
                         f"the mock engine cannot do guided decoding ({key})",
                     )
+        try:
+            # No vision model: items only key the prefix cache, but a layout vLLM refuses
+            # is refused in its words.
+            envelope_items(env)
+        except FeaturesError as exc:
+            raise MeshError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
         lora = env.engine.get("lora_path")
         if lora is not None:
             raise MeshError(
