@@ -30,6 +30,7 @@ from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
 from genmesh.shared.kv_events import KvEventBatch, request_extra_keys
+from genmesh.shared.multimodal import FeaturesError, envelope_items
 from genmesh.shared.settings import non_negative_float, option, positive_int
 
 _MASK = (1 << 64) - 1
@@ -364,6 +365,12 @@ class MockEngine:
                         ErrorCode.INVALID_ARGUMENT,
                         f"the mock engine cannot do guided decoding ({key})",
                     )
+        try:
+            # No vision model: items only key the prefix cache, but a layout vLLM refuses
+            # is refused in its words.
+            envelope_items(env)
+        except FeaturesError as exc:
+            raise MeshError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
         lora = env.engine.get("lora_path")
         if lora is not None:
             raise MeshError(
@@ -461,7 +468,10 @@ class MockEngine:
 
         blocks: RequestBlocks | None = None
         if self.cache is not None:
-            blocks = self.cache.open(prompt, request_extra_keys(env))
+            # Keys for every block the sequence may fill: an item in the prompt's last
+            # partial block keys the block its output completes too.
+            extra = request_extra_keys(env, self.config.block_size, len(prompt) + budget)
+            blocks = self.cache.open(prompt, extra)
         cached = blocks.cached_tokens if blocks is not None else 0
         aborted = self._running.setdefault(env.id, asyncio.Event())
         kv = len(prompt)

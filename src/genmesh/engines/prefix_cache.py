@@ -251,7 +251,7 @@ class RequestBlocks:
             if i == len(self._hashes):
                 block_tokens = to_le_bytes(self._tokens[i * size : (i + 1) * size])
                 parent = self._hashes[i - 1] if i else None
-                self._hashes.append(mock_block_hash(parent, block_tokens, None))
+                self._hashes.append(mock_block_hash(parent, block_tokens, self._extra_of(i)))
             block_hash = self._hashes[i]
             existing = pool._lookup(block_hash)
             if existing is None:
