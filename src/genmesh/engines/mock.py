@@ -410,6 +410,15 @@ class MockEngine:
             f"asked for {env.output.top_logprobs}"
         )
 
+    def _kv_usage(self) -> float:
+        """The KV cache's share in use, which slows each decode step: with the cache,
+        its held blocks, a prefix that running requests share counted once (vLLM's
+        `BlockPool.get_usage`, as Dynamo's mocker counts active blocks); without it,
+        every running request's tokens."""
+        if self.cache is not None:
+            return self.cache.usage
+        return self._active_kv_tokens / (self.config.kv_capacity_blocks * self.config.block_size)
+
     async def _sleep_ms(self, ms: float) -> None:
         if self.config.speedup > 0:
             await asyncio.sleep(ms / self.config.speedup / 1000.0)
@@ -515,10 +524,7 @@ class MockEngine:
                             blocks.extend(out.tokens)
                         yield out
                         out = EngineOutput(tokens=[])
-                    kv_fraction = self._active_kv_tokens / (
-                        self.config.kv_capacity_blocks * self.config.block_size
-                    )
-                    await self._sleep_ms(decode_step_ms(kv_fraction))
+                    await self._sleep_ms(decode_step_ms(self._kv_usage()))
                 if aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
                     out.finish = {"reason": "abort", "message": "Aborted"}

@@ -105,6 +105,11 @@ class BlockPool:
         return len(self._free) + self._unused
 
     @property
+    def usage(self) -> float:
+        """The share of blocks running requests hold (vLLM's `get_usage`)."""
+        return 1.0 - self.free_blocks / self.num_blocks
+
+    @property
     def cached_blocks(self) -> int:
         return len(self._cached)
 
