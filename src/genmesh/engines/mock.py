@@ -413,8 +413,9 @@ class MockEngine:
     def _kv_usage(self) -> float:
         """The KV cache's share in use, which slows each decode step: with the cache,
         its held blocks, a prefix that running requests share counted once (vLLM's
-        `BlockPool.get_usage`, as Dynamo's mocker counts active blocks); without it,
-        every running request's tokens."""
+        `BlockPool.get_usage`; Dynamo's mocker, lib/mocker scheduler `simulate_decode`,
+        times a step by `kv_manager.num_active_blocks() * block_size` over its capacity);
+        without it, every running request's tokens."""
         if self.cache is not None:
             return self.cache.usage
         return self._active_kv_tokens / (self.config.kv_capacity_blocks * self.config.block_size)
