@@ -6,7 +6,8 @@ once, or None when the request must wait (every eligible worker busy or full, or
 already waiting: nobody overtakes the queue). `wait` then queues it, ordered by the
 envelope's routing priority (higher first) and FIFO within a priority, until a load
 report or an end seen here frees a worker (`release`), and refuses it past the queue's
-bound, its maximum wait, or the request's deadline. Without a queue (`--admission-queue`
+bound, its maximum wait, or the request's deadline. A pinned request (`routing.worker`)
+never waits. Without a queue (`--admission-queue`
 0, the default) `choose` never returns None: a busy mesh refuses as it always did.
 
 A waiter that goes away (its caller cancelled) leaves the queue; a decision made for a
@@ -69,6 +70,9 @@ class Admission:
     def choose(self, envelope: Envelope) -> Decision | None:
         """The worker for `envelope` now (counted as sent to it); None: it must `wait`;
         or MeshError saying why it is refused."""
+        if envelope.routing.worker is not None:
+            # Pinned: never queued (one busy worker would hold up the queue's head).
+            return self.chooser.choose(envelope)
         if self.depth:  # others wait for a worker: nobody overtakes them
             return None
         try:

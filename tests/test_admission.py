@@ -1,0 +1,218 @@
+"""Admission control over a real mesh (real NATS, HTTP over sockets, the mock engine in
+real time): workers announce their load, requests wait in the frontend's or a router's
+queue for a slow mesh and all complete, past the bound the HTTP client gets 503 with
+Retry-After in SGLang's and vLLM's shapes, and nothing is lost.
+
+The queue's rules one by one: tests/unit/test_admission.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import pytest
+
+from genmesh.client import MeshClient, request
+from genmesh.shared import frames
+from tests.http_util import Reply, post
+from tests.inproc import InProcessMesh
+from tests.mesh import wait_until
+
+pytestmark = pytest.mark.inproc
+
+# ~110 ms on the mock in real time (a 16 ms prefill, 16 decode steps of ~6 ms).
+SLOW = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+VLLM_SLOW = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 16, "ignore_eos": True}}
+
+
+def cards(mesh: InProcessMesh) -> list[dict[str, Any]]:
+    workers: list[dict[str, Any]] = mesh.server_info()["genmesh"]["workers"]
+    return workers
+
+
+async def metric(mesh: InProcessMesh, name: str, labels: str = "") -> float:
+    async with aiohttp.ClientSession() as s, s.get(mesh.http_url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(f"genmesh_frontend_{name}{labels} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no genmesh_frontend_{name}{labels} in /metrics")
+
+
+async def test_cards_announce_running_queued_and_kv_blocks(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_frontend()
+    empty_mesh.add_worker(speedup=1.0)
+    (card,) = cards(empty_mesh)
+    assert (card["running"], card["queued"]) == (0, 0)
+    # The mock's KV: --mock-kv-capacity-tokens 1,048,576 in blocks of 16, none held.
+    assert (card["kv_blocks_used"], card["kv_blocks_total"]) == (0, 65_536)
+    long = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 64}}
+    task = asyncio.create_task(post(empty_mesh.http_url + "/generate", long))
+    # While it decodes: running, and its blocks held (40 prompt tokens and more: >= 3).
+    await asyncio.to_thread(
+        wait_until,
+        lambda: cards(empty_mesh)[0]["running"] == 1,
+        5.0,
+        0.01,
+        "the request to run",
+    )
+    assert cards(empty_mesh)[0]["kv_blocks_used"] >= 3
+    assert (await task).status == 200
+
+
+async def test_a_slow_mesh_queues_requests_and_serves_them_all(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_frontend("--admission-queue", "32")
+    workers = [empty_mesh.add_worker(speedup=1.0, max_concurrency=1).name for _ in range(2)]
+    replies = await asyncio.gather(
+        *(post(empty_mesh.http_url + "/generate", SLOW) for _ in range(12))
+    )
+    assert [r.status for r in replies] == [200] * 12, [r.body for r in replies]
+    assert all(len(r.body["output_ids"]) == 16 for r in replies)
+    stats = {c["id"]: c["stats"] for c in cards(empty_mesh)}
+    # Every request ran once, none was refused by a worker: they waited in the frontend.
+    assert sum(s["admitted"] for s in stats.values()) == 12
+    assert all(s["rejected"] == 0 for s in stats.values())
+    assert set(stats) == set(workers)
+    assert await metric(empty_mesh, "admission_queued_total") >= 10
+    assert await metric(empty_mesh, "admission_queue_depth") == 0
+
+
+async def test_without_a_queue_a_full_mesh_answers_503_at_once(empty_mesh: InProcessMesh) -> None:
+    # The default: no queue; the refusal is the one of every release before this.
+    empty_mesh.add_frontend("--migration-limit", "0")
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    first = asyncio.create_task(post(empty_mesh.http_url + "/generate", SLOW))
+    await asyncio.to_thread(
+        wait_until, lambda: cards(empty_mesh)[0]["inflight"] == 1, 5.0, 0.01, "one running"
+    )
+    refused = await post(empty_mesh.http_url + "/generate", SLOW)
+    assert refused.status == 503
+    assert refused.body["message"] == "all 1 eligible workers are at capacity"
+    assert (await first).status == 200
+
+
+async def _past_the_bound(mesh: InProcessMesh, path: str, body: dict[str, Any]) -> Reply:
+    """One long request running, two waiting (the bound), the fourth refused; the first
+    three complete afterwards. Returns the refusal."""
+    # ~400 ms: what the others wait for (64 tokens, in the format's own words).
+    budget = "max_new_tokens" if "max_new_tokens" in body["sampling_params"] else "max_tokens"
+    long = {**body, "sampling_params": {**body["sampling_params"], budget: 64}}
+    json_type = {"Content-Type": "application/json"}  # vLLM requires it
+    waiting = [asyncio.create_task(post(mesh.http_url + path, long, headers=json_type))]
+    await asyncio.to_thread(
+        wait_until,
+        lambda: cards(mesh)[0]["inflight"] == 1,
+        5.0,
+        0.01,
+        "one request running",
+    )
+    waiting += [
+        asyncio.create_task(post(mesh.http_url + path, body, headers=json_type)) for _ in range(2)
+    ]
+    await asyncio.to_thread(
+        wait_until,
+        lambda: asyncio.run(metric(mesh, "admission_queue_depth")) == 2,
+        5.0,
+        0.01,
+        "two requests waiting",
+    )
+    refused = await post(mesh.http_url + path, body, headers=json_type)
+    done = await asyncio.gather(*waiting)
+    assert [r.status for r in done] == [200, 200, 200]  # nothing queued was lost
+    assert cards(mesh)[0]["stats"]["admitted"] == 3  # and the refused one never ran
+    assert await metric(mesh, "admission_refusals_total", '{reason="queue_full"}') == 1
+    return refused
+
+
+async def test_past_the_bound_sglang_answers_503_with_retry_after(
+    empty_mesh: InProcessMesh,
+) -> None:
+    empty_mesh.add_frontend("--admission-queue", "2")
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    refused = await _past_the_bound(empty_mesh, "/generate", SLOW)
+    assert refused.status == 503
+    assert refused.headers["Retry-After"] == "1"
+    # SGLang's shape for a 503 it raises (its own queue full: engine-apis.md).
+    message = "the admission queue is full (2 requests wait for a free worker)"
+    assert refused.body == {
+        "object": "error",
+        "message": message,
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
+
+
+async def test_past_the_bound_vllm_answers_503_with_retry_after(
+    empty_mesh: InProcessMesh,
+) -> None:
+    empty_mesh.add_frontend("--admission-queue", "2")
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    refused = await _past_the_bound(empty_mesh, "/inference/v1/generate", VLLM_SLOW)
+    assert refused.status == 503
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.body == {
+        "error": {
+            "message": "the admission queue is full (2 requests wait for a free worker)",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+    }
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue(
+    empty_mesh: InProcessMesh,
+) -> None:
+    empty_mesh.add_frontend("--admission-queue", "8")
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    first = asyncio.create_task(post(empty_mesh.http_url + "/generate", long))
+    await asyncio.to_thread(
+        wait_until, lambda: cards(empty_mesh)[0]["inflight"] == 1, 5.0, 0.01, "one running"
+    )
+    timeout = aiohttp.ClientTimeout(total=0.15)
+    with contextlib.suppress(TimeoutError):
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.post(empty_mesh.http_url + "/generate", json=SLOW) as r,
+        ):
+            await r.read()
+        raise AssertionError("the queued request was answered before the client left")
+    await asyncio.to_thread(
+        wait_until,
+        lambda: asyncio.run(metric(empty_mesh, "admission_queue_depth")) == 0,
+        5.0,
+        0.01,
+        "the queue to empty",
+    )
+    assert (await first).status == 200
+    await asyncio.sleep(0.2)  # the worker is free: had it stayed queued, it would run now
+    assert cards(empty_mesh)[0]["stats"]["admitted"] == 1
+
+
+async def test_a_router_holds_requests_past_the_clients_ack_timeout(
+    empty_mesh: InProcessMesh, nats_url: str
+) -> None:
+    empty_mesh.add_router(extra_args=("--admission-queue", "16"))
+    empty_mesh.add_frontend()  # for the cards only
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    # An ack timeout shorter than the wait: the router's held keep-alives keep it alive.
+    async with await MeshClient.connect(
+        nats_url, empty_mesh.namespace, ack_timeout_s=0.8
+    ) as client:
+
+        async def one() -> list[frames.Frame | Any]:
+            envelope = request([1, 2, 3], max_tokens=16, ignore_eos=True)
+            return [f async for f in client.generate(envelope)]
+
+        # 10 requests of ~110 ms on one worker: the last waits about 1 s.
+        streams = await asyncio.gather(*(one() for _ in range(10)))
+        assert client.migrations == 0  # none timed out waiting for its ack
+    assert [s[-1]["t"] for s in streams] == ["end"] * 10
+    assert all(s[0]["t"] == "ack" for s in streams)  # held keep-alives never reach callers
+    stats = cards(empty_mesh)[0]["stats"]
+    assert (stats["admitted"], stats["rejected"]) == (10, 0)
