@@ -80,6 +80,31 @@ async def test_a_slow_mesh_queues_requests_and_serves_them_all(empty_mesh: InPro
     assert await metric(empty_mesh, "admission_queue_depth") == 0
 
 
+async def test_tiny_thresholds_hold_requests_back_and_all_complete(
+    empty_mesh: InProcessMesh,
+) -> None:
+    # Room for 64 each, but busy with any request waiting in the engine, or past a quarter
+    # of 16 KV blocks: the frontend holds the rest back.
+    empty_mesh.add_frontend(
+        "--admission-queue", "64", "--busy-queued", "0", "--busy-kv-usage", "0.25"
+    )
+    for _ in range(2):
+        empty_mesh.add_worker(
+            speedup=1.0, max_concurrency=64, extra_args=("--mock-kv-capacity-tokens", "256")
+        )
+    # 40 prompt tokens + 16 new: 3 blocks, then 4, of 16; two at once pass a quarter.
+    body = {**SLOW, "input_ids": list(range(1, 41))}
+    replies = await asyncio.gather(
+        *(post(empty_mesh.http_url + "/generate", body) for _ in range(12))
+    )
+    assert [r.status for r in replies] == [200] * 12, [r.body for r in replies]
+    stats = [c["stats"] for c in cards(empty_mesh)]
+    assert sum(s["admitted"] for s in stats) == 12
+    assert all(s["rejected"] == 0 for s in stats)
+    assert await metric(empty_mesh, "admission_queued_total") >= 8
+    assert await metric(empty_mesh, "admission_queue_depth") == 0
+
+
 async def test_without_a_queue_a_full_mesh_answers_503_at_once(empty_mesh: InProcessMesh) -> None:
     # The default: no queue; the refusal is the one of every release before this.
     empty_mesh.add_frontend("--migration-limit", "0")

@@ -16,6 +16,7 @@ from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.choice import Chooser, Decision, WorkersBusy
 from genmesh.routing.policies import RoundRobin
 from genmesh.shared.discovery import WorkerDirectory
+from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.settings import parse
@@ -83,14 +84,38 @@ def test_thresholds_are_off_by_default_and_the_refusal_is_todays() -> None:
 def test_a_worker_past_the_kv_threshold_is_busy() -> None:
     found = directory(
         card("a", capacity=8, kv_blocks_used=91, kv_blocks_total=100),
-        card("b", capacity=8, kv_blocks_used=90, kv_blocks_total=100),
+        card("b", capacity=8, kv_blocks_used=89, kv_blocks_total=100),
     )
     adm = admission(found, busy_kv_usage=0.9)
-    assert {adm.choose(env()).worker.id for _ in range(3)} == {"b"}  # type: ignore[union-attr]
-    report(found, card("b", capacity=8, kv_blocks_used=95, kv_blocks_total=100))
+    decision = adm.choose(env())  # a: 91 > 90 blocks; b: 89
+    assert decision is not None
+    assert decision.worker.id == "b"
+    # b: 89 + the prompt's block = 90: not more than 90; one more block would be.
+    assert adm.choose(env()) is not None
     with pytest.raises(WorkersBusy) as caught:
         adm.choose(env())
     assert caught.value.message == "all 2 eligible workers are busy or at capacity"
+    report(found, card("a", capacity=8, kv_blocks_used=50, kv_blocks_total=100))
+    decision = adm.choose(env())
+    assert decision is not None
+    assert decision.worker.id == "a"
+
+
+def test_prompt_blocks_sent_since_the_report_count_against_the_kv_threshold() -> None:
+    found = directory(card("a", capacity=8, kv_blocks_used=0, kv_blocks_total=8))
+    found.workers["a"].engine_info = EngineInfo(model="m", block_size=4)
+    adm = admission(found, busy_kv_usage=0.5)
+    prompt = request(list(range(1, 10)))  # 9 tokens: 3 blocks of 4
+    # Checked before each send: 0, 3, 4 blocks of 8 are not past half; 5 is.
+    assert adm.choose(prompt) is not None
+    assert found.workers["a"].kv_blocks_sent == 3
+    assert adm.choose(request([1])) is not None
+    assert adm.choose(request([1])) is not None
+    with pytest.raises(WorkersBusy):
+        adm.choose(request([1]))
+    report(found, card("a", capacity=8, kv_blocks_used=2, kv_blocks_total=8))
+    assert found.workers["a"].kv_blocks_sent == 0
+    assert adm.choose(request([1])) is not None
 
 
 def test_a_worker_that_announces_no_kv_use_is_never_kv_busy() -> None:

@@ -20,6 +20,10 @@ from genmesh.shared.settings import non_negative_int, option
 
 if TYPE_CHECKING:
     from genmesh.shared.discovery import WorkerInfo
+    from genmesh.shared.envelope import Envelope
+
+# vLLM's and SGLang's usual page size, and the mock's default.
+DEFAULT_BLOCK_SIZE = 16
 
 
 def fraction(text: str) -> float:
@@ -77,14 +81,24 @@ class AdmissionConfig:
 
     def busy(self, worker: WorkerInfo) -> bool:
         """Whether `worker` is past a threshold. Requests sent to it since its last load
-        report count as waiting in its engine: this process cannot see them start yet,
-        and a burst between two reports must not all land on one worker."""
+        report count as waiting in its engine, their prompts' blocks as held: this
+        process cannot see them start yet, and a burst between two reports must not all
+        land on one worker."""
         queued = self.busy_queued
         if queued is not None and worker.queued + worker.sent_since_report > queued:
             return True
         limit = self.busy_kv_usage
         if limit is not None:
             used, total = worker.kv_blocks_used, worker.kv_blocks_total
-            if used is not None and total and used > limit * total:
+            if used is not None and total and used + worker.kv_blocks_sent > limit * total:
                 return True
         return False
+
+    def note_sent(self, worker: WorkerInfo, envelope: Envelope) -> None:
+        """Count the blocks `envelope`'s prompt will hold on `worker` until its next report
+        says (the engine's block size, 16 when it has not said): the queue drains as the
+        KV frees, not all at once on the first report that shows room."""
+        if self.busy_kv_usage is not None:
+            info = worker.engine_info
+            size = (info.block_size if info is not None else None) or DEFAULT_BLOCK_SIZE
+            worker.kv_blocks_sent += -(-len(envelope.token_ids) // size)

@@ -92,6 +92,8 @@ class Chooser:
             free = [w for w in free if w.id not in excluded] or free
         worker = self.policy.choose(free, envelope)
         directory.note_sent(worker)
+        if busy is not None:
+            busy.note_sent(worker, envelope)
         return Decision(worker, free)
 
     def ended(self, decision: Decision) -> None:

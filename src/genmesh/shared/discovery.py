@@ -62,6 +62,9 @@ class WorkerInfo:
     queued: int = 0
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
+    # The prompt blocks of the requests sent since that report (counted only where a KV
+    # threshold needs them: routing/busy.py).
+    kv_blocks_sent: int = 0
 
     @property
     def load(self) -> int:
@@ -214,6 +217,7 @@ class WorkerDirectory:
         worker.inflight = inflight
         worker.capacity = capacity
         worker.sent_since_report = 0
+        worker.kv_blocks_sent = 0
         worker.expires_after = EXPIRY_HEARTBEATS * float(heartbeat)
         worker.queued = _count(card.get("queued")) or 0
         worker.kv_blocks_used = _count(card.get("kv_blocks_used"))
