@@ -241,3 +241,59 @@ async def test_a_router_holds_requests_past_the_clients_ack_timeout(
     assert all(s[0]["t"] == "ack" for s in streams)  # held keep-alives never reach callers
     stats = cards(empty_mesh)[0]["stats"]
     assert (stats["admitted"], stats["rejected"]) == (10, 0)
+
+
+async def test_shutdown_refuses_what_waits_with_a_retryable_503(
+    empty_mesh: InProcessMesh,
+) -> None:
+    frontend = empty_mesh.add_frontend("--admission-queue", "8")
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    # ~1.5 s: longer than the frontend's own retries of the refusal (0.1 + 0.2 + 0.4 s),
+    # which would otherwise find the worker free and serve it after all.
+    long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 256, "ignore_eos": True}}
+    running = asyncio.create_task(post(empty_mesh.http_url + "/generate", long))
+    await asyncio.to_thread(
+        wait_until, lambda: cards(empty_mesh)[0]["inflight"] == 1, 5.0, 0.01, "one running"
+    )
+    waiting = asyncio.create_task(post(empty_mesh.http_url + "/generate", SLOW))
+    await asyncio.to_thread(
+        wait_until,
+        lambda: asyncio.run(metric(empty_mesh, "admission_queue_depth")) == 1,
+        5.0,
+        0.01,
+        "one request waiting",
+    )
+    await asyncio.to_thread(empty_mesh.stop_service, frontend)
+    refused = await waiting
+    assert refused.status == 503
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.body["message"] == "the frontend is shutting down"
+    assert (await running).status == 200  # what ran is not cut off
+
+
+async def test_a_cancel_takes_a_request_out_of_a_routers_queue(
+    empty_mesh: InProcessMesh, nats_url: str
+) -> None:
+    router = empty_mesh.add_router(extra_args=("--admission-queue", "8")).value
+    empty_mesh.add_frontend()  # for the cards only
+    empty_mesh.add_worker(speedup=1.0, max_concurrency=1)
+    async with await MeshClient.connect(nats_url, empty_mesh.namespace) as client:
+
+        async def one(tokens: int) -> list[Any]:
+            envelope = request([1, 2, 3], max_tokens=tokens, ignore_eos=True)
+            return [f async for f in client.generate(envelope)]
+
+        running = asyncio.create_task(one(64))  # ~400 ms
+        await asyncio.to_thread(
+            wait_until, lambda: router.admission.depth == 0 and sum(router.decisions.values())
+        )
+        given_up = asyncio.create_task(one(16))
+        await asyncio.to_thread(wait_until, lambda: router.admission.depth == 1)
+        given_up.cancel()  # its stream closes: the client publishes `cancel`
+        with contextlib.suppress(asyncio.CancelledError):
+            await given_up
+        await asyncio.to_thread(wait_until, lambda: router.admission.depth == 0)
+        assert (await running)[-1]["t"] == "end"
+    await asyncio.sleep(0.2)  # the worker is free: had it stayed queued, it would go now
+    assert sum(router.decisions.values()) == 1  # never forwarded
+    assert router.admission.refusals.total() == 0

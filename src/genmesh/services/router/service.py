@@ -171,8 +171,8 @@ class Router(Service):
             raise
         if decision is None:
             rid = envelope.id
-            if rid in self._held:  # the same request twice: the first one waits already
-                return
+            if rid in self._held:  # as a worker refuses a request id it runs already
+                raise MeshError(ErrorCode.INVALID_ARGUMENT, f"request id {rid} is already waiting")
             task = self._tasks.spawn(self._hold(request, span), name=f"held {rid}")
             self._held[rid] = _Held(msg.reply, request.codec, task)
             return
