@@ -14,12 +14,25 @@ from typing import Any
 
 import aiohttp
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from genmesh.client import MeshClient, request
-from genmesh.shared import frames
+from genmesh.engines.mock import MockConfig, MockEngine
+from genmesh.routing.busy import AdmissionConfig
+from genmesh.services.frontend.serve import start_frontend
+from genmesh.services.router.service import Router
+from genmesh.services.worker.service import Worker, WorkerConfig
+from genmesh.shared import frames, tracing
+from genmesh.shared.bus import connect
+from genmesh.shared.subjects import Subjects
+from genmesh.shared.tracing import ADMISSION_WAIT_MS
+from tests.conftest import unique_namespace
 from tests.http_util import Reply, post
 from tests.inproc import InProcessMesh
-from tests.mesh import wait_until
+from tests.mesh import frontend_options, wait_until
 
 pytestmark = pytest.mark.inproc
 
@@ -297,3 +310,60 @@ async def test_a_cancel_takes_a_request_out_of_a_routers_queue(
     await asyncio.sleep(0.2)  # the worker is free: had it stayed queued, it would go now
     assert sum(router.decisions.values()) == 1  # never forwarded
     assert router.admission.refusals.total() == 0
+
+
+async def test_the_time_a_request_waited_is_on_its_trace(nats_url: str) -> None:
+    """Tracing on, every service in this process: the request that waited has
+    `genmesh.admission.wait_ms` on the frontend's server span (the frontend routes), and
+    on the router's span (a frontend with --routing routers)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    namespace = unique_namespace("admtr")
+    subjects = Subjects(namespace)
+    nc = await connect(nats_url, name="admission-trace-test")
+    queue = AdmissionConfig(queue_size=4)
+    worker = Worker(nc, subjects, MockEngine(MockConfig(speedup=1.0)), WorkerConfig("w-adm", 1))
+    router = Router(nc, subjects, router_id="r-adm", admission=queue)
+    await worker.start()
+    await router.start()
+    frontends = [
+        await start_frontend(frontend_options(nats_url, namespace, admission=queue)),
+        await start_frontend(frontend_options(nats_url, namespace, routing="routers")),
+    ]
+    try:
+
+        def server_span(span: ReadableSpan) -> bool:
+            return span.kind is SpanKind.SERVER
+
+        def router_span(span: ReadableSpan) -> bool:
+            return "genmesh.router" in (span.attributes or {})
+
+        for frontend, hop in zip(frontends, (server_span, router_span), strict=True):
+            await asyncio.to_thread(
+                wait_until, lambda f=frontend: f.state.backend.not_ready_reason() is None
+            )
+            url = f"http://127.0.0.1:{frontend.port}/generate"
+            exporter.clear()
+            replies = await asyncio.gather(post(url, SLOW), post(url, SLOW))
+            assert [r.status for r in replies] == [200, 200]
+            await asyncio.sleep(0.1)  # the spans end as the responses go out
+            spans = [s for s in exporter.get_finished_spans() if hop(s)]
+            assert len(spans) == 2, [s.name for s in spans]
+            # One went at once (no attribute); the other waited for it (~110 ms).
+            waited = sorted(
+                (dict(s.attributes or {}).get(ADMISSION_WAIT_MS) for s in spans),
+                key=lambda ms: ms is not None,
+            )
+            assert waited[0] is None
+            assert isinstance(waited[1], float)
+            assert waited[1] > 50.0
+    finally:
+        for frontend in frontends:
+            await frontend.close()
+        await router.stop()
+        await worker.stop()
+        await nc.drain()
+        tracing.install(None)
+        provider.shutdown()
