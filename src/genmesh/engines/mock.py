@@ -21,7 +21,7 @@ from typing import Any
 
 from genmesh import __version__
 from genmesh.codecs.int32 import all_below, to_le_bytes
-from genmesh.engines.base import EngineOutput, usage
+from genmesh.engines.base import EngineOutput, KvUsage, usage
 from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
 from genmesh.engines.prefix_cache import PrefixCache
 from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampling_defaults
@@ -295,6 +295,13 @@ class MockEngine:
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
         return None
+
+    def kv_usage(self) -> KvUsage:
+        """The blocks its running requests hold (prompt and output so far) out of
+        `kv_capacity_tokens`; the prefix cache's other blocks are free for the taking."""
+        size = self.config.block_size
+        total = self.config.kv_capacity_tokens // size
+        return KvUsage(min(-(-self._active_kv_tokens // size), total), total)
 
     def describe(self) -> dict[str, Any]:
         c = self.config
