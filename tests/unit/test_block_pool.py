@@ -133,12 +133,12 @@ def test_usage_counts_held_blocks_and_a_shared_prefix_once() -> None:
     """What slows the mock's decode steps (vLLM's `get_usage`)."""
     pool = BlockPool(num_blocks=10, block_size=2)
     run(pool, [1, 2, 3, 4])  # cached, free again
-    assert pool.usage == 0.0
+    assert pool.held_blocks == 0
     a, b = pool.open([1, 2, 3, 4, 5]), pool.open([1, 2, 3, 4, 6])
-    assert pool.usage == 0.4  # the shared 2 blocks, and one block of its own each
+    assert pool.held_blocks == 4  # the shared 2 blocks, and one block of its own each
     a.release()
     b.release()
-    assert pool.usage == 0.0
+    assert pool.held_blocks == 0
 
 
 def test_output_blocks_are_cached_as_they_fill_without_the_last_sampled_token() -> None:

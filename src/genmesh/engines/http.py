@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from genmesh.engines.base import KvUsage
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.kv_events import KvEventBatch
 
@@ -57,6 +58,11 @@ class HttpEngineBase:
             self._session = None
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
+        return None
+
+    def kv_usage(self) -> KvUsage | None:
+        # The servers say it only over HTTP (SGLang's /get_load, vLLM's /metrics): a round
+        # trip per load announcement is not cheap, so their workers' cards leave it out.
         return None
 
     async def post_admin(self, path: str, payload: Any = None) -> tuple[int, str]:

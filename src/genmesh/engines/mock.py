@@ -21,7 +21,7 @@ from typing import Any
 
 from genmesh import __version__
 from genmesh.codecs.int32 import all_below, to_le_bytes
-from genmesh.engines.base import EngineOutput, usage
+from genmesh.engines.base import EngineOutput, KvUsage, usage
 from genmesh.engines.kv_feed import KvEventFeed
 from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
 from genmesh.engines.prefix_cache import BlockPool, RequestBlocks
@@ -318,6 +318,16 @@ class MockEngine:
         per step (kv_feed.py); None without a cache."""
         return self._kv_feed.subscribe() if self.cache is not None else None
 
+    def kv_usage(self) -> KvUsage:
+        """The blocks its running requests hold out of all: with the cache, the pool's
+        held blocks, a prefix running requests share counted once (vLLM's
+        `BlockPool.get_usage`); without it, every running request's tokens (prompt and
+        output so far) in blocks. Cached blocks nothing running holds are free."""
+        if self.cache is not None:
+            return KvUsage(self.cache.held_blocks, self.cache.num_blocks)
+        size, total = self.config.block_size, self.config.kv_capacity_blocks
+        return KvUsage(min(-(-self._active_kv_tokens // size), total), total)
+
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {
@@ -409,16 +419,6 @@ class MockEngine:
             f"at most {MAX_TOP_LOGPROBS} top logprobs per position, "
             f"asked for {env.output.top_logprobs}"
         )
-
-    def _kv_usage(self) -> float:
-        """The KV cache's share in use, which slows each decode step: with the cache,
-        its held blocks, a prefix that running requests share counted once (vLLM's
-        `BlockPool.get_usage`; Dynamo's mocker, lib/mocker scheduler `simulate_decode`,
-        times a step by `kv_manager.num_active_blocks() * block_size` over its capacity);
-        without it, every running request's tokens."""
-        if self.cache is not None:
-            return self.cache.usage
-        return self._active_kv_tokens / (self.config.kv_capacity_blocks * self.config.block_size)
 
     async def _sleep_ms(self, ms: float) -> None:
         if self.config.speedup > 0:
@@ -525,7 +525,11 @@ class MockEngine:
                             blocks.extend(out.tokens)
                         yield out
                         out = EngineOutput(tokens=[])
-                    await self._sleep_ms(decode_step_ms(self._kv_usage()))
+                    # What slows a step: the share of the cache in use (Dynamo's
+                    # mocker, lib/mocker scheduler `simulate_decode`: its active blocks
+                    # over its capacity).
+                    held = self.kv_usage()
+                    await self._sleep_ms(decode_step_ms(held.used_blocks / held.total_blocks))
                 if aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
                     out.finish = {"reason": "abort", "message": "Aborted"}

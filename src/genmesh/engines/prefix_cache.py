@@ -105,9 +105,9 @@ class BlockPool:
         return len(self._free) + self._unused
 
     @property
-    def usage(self) -> float:
-        """The share of blocks running requests hold (vLLM's `get_usage`)."""
-        return 1.0 - self.free_blocks / self.num_blocks
+    def held_blocks(self) -> int:
+        """Blocks running requests hold (vLLM's `get_usage` is their share)."""
+        return self.num_blocks - self.free_blocks
 
     @property
     def cached_blocks(self) -> int:
