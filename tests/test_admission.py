@@ -60,7 +60,7 @@ async def test_cards_announce_running_queued_and_kv_blocks(empty_mesh: InProcess
     empty_mesh.add_worker(speedup=1.0)
     (card,) = cards(empty_mesh)
     assert (card["running"], card["queued"]) == (0, 0)
-    # The mock's KV: --mock-kv-capacity-tokens 1,048,576 in blocks of 16, none held.
+    # The mock's KV without --mock-kv-blocks: 1,048,576 tokens in blocks of 16, none held.
     assert (card["kv_blocks_used"], card["kv_blocks_total"]) == (0, 65_536)
     long = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 64}}
     task = asyncio.create_task(post(empty_mesh.http_url + "/generate", long))
@@ -97,19 +97,19 @@ async def test_tiny_thresholds_hold_requests_back_and_all_complete(
     empty_mesh: InProcessMesh,
 ) -> None:
     # Room for 64 each, but busy with any request waiting in the engine, or past a quarter
-    # of 16 KV blocks: the frontend holds the rest back.
+    # of 16 KV blocks (the mock's cache, which a size turns on): the frontend holds the
+    # rest back.
     empty_mesh.add_frontend(
         "--admission-queue", "64", "--busy-queued", "0", "--busy-kv-usage", "0.25"
     )
     for _ in range(2):
         empty_mesh.add_worker(
-            speedup=1.0, max_concurrency=64, extra_args=("--mock-kv-capacity-tokens", "256")
+            speedup=1.0, max_concurrency=64, extra_args=("--mock-kv-blocks", "16")
         )
     # 40 prompt tokens + 16 new: 3 blocks, then 4, of 16; two at once pass a quarter.
-    body = {**SLOW, "input_ids": list(range(1, 41))}
-    replies = await asyncio.gather(
-        *(post(empty_mesh.http_url + "/generate", body) for _ in range(12))
-    )
+    # Prompts apart, so that no two requests share a cached block.
+    bodies = [{**SLOW, "input_ids": list(range(100 * i + 1, 100 * i + 41))} for i in range(12)]
+    replies = await asyncio.gather(*(post(empty_mesh.http_url + "/generate", b) for b in bodies))
     assert [r.status for r in replies] == [200] * 12, [r.body for r in replies]
     stats = [c["stats"] for c in cards(empty_mesh)]
     assert sum(s["admitted"] for s in stats) == 12
