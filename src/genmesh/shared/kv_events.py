@@ -164,10 +164,16 @@ def decode_engine_batch(payload: bytes) -> KvEventBatch:
     return KvEventBatch(float(ts), [_engine_event(e) for e in events], rank)
 
 
-def encode_engine_batch(batch: KvEventBatch, *, array_like: bool = True) -> bytes:
-    """`batch` as an engine publishes it: `array_like` as SGLang and vLLM up to 0.10 do
-    (SGLang's `BlockStored` ends at `lora_id`, `BlockRemoved` at its hashes), else as
-    newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`)."""
+def encode_engine_batch(
+    batch: KvEventBatch, *, array_like: bool = True, vllm: bool = False
+) -> bytes:
+    """`batch` as an engine publishes it: `array_like` as SGLang and vLLM up to 0.23 do,
+    else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`). Arrays end
+    where SGLang's do (`BlockStored` at `lora_id`, `BlockRemoved` at its hashes) unless
+    `vllm`: vLLM's positional structs go on with `medium` and `lora_name` (no defaults,
+    always sent) and `extra_keys` (one entry per block, None for a plain block), msgspec
+    omitting only trailing defaults (vllm/distributed/kv_events.py, v0.11 to v0.23;
+    `group_idx` and the cache-spec fields after it are left at their defaults)."""
     events: list[Any] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
@@ -178,19 +184,26 @@ def encode_engine_batch(batch: KvEventBatch, *, array_like: bool = True) -> byte
                 e.block_size,
                 e.lora_id,
             ]
-            if array_like:
+            extra = [list(k) if k is not None else None for k in e.extra_keys or ()]
+            if array_like and vllm:
+                per_block = extra or [None] * len(e.block_hashes)
+                events.append(["BlockStored", *values, e.medium, None, per_block])
+            elif array_like:
                 events.append(["BlockStored", *values])
             else:
-                extra = [list(k) if k is not None else None for k in e.extra_keys or ()]
                 fields = dict(zip(_STORED_FIELDS, values, strict=False))
                 fields.update(medium=e.medium, lora_name=None, extra_keys=extra or None)
                 events.append({"type": "BlockStored", **fields})
         elif isinstance(e, BlockRemoved):
-            events.append(
-                ["BlockRemoved", e.block_hashes]
-                if array_like
-                else {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
-            )
+            if array_like:
+                removed: Any = ["BlockRemoved", e.block_hashes]
+                if vllm:
+                    removed.append(e.medium)
+                events.append(removed)
+            else:
+                events.append(
+                    {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
+                )
         else:
             events.append(["AllBlocksCleared"] if array_like else {"type": "AllBlocksCleared"})
     if array_like:
