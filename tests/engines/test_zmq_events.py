@@ -117,6 +117,20 @@ async def test_a_late_subscriber_gets_every_batch_in_order_from_the_replay() -> 
     assert got[0] == batch(0)
 
 
+async def test_a_subscriber_starts_with_the_history_the_replay_socket_holds() -> None:
+    pub = publisher(replay_endpoint="tcp://127.0.0.1:*", buffer_steps=2)
+    for n in range(3):  # batch 0 is no longer kept
+        pub.publish(batch(n))
+    sub = Subscriber(pub)
+    try:
+        got = await sub.wait_for(3)  # without any new batch
+    finally:
+        await sub.close()
+        await pub.close()
+    assert is_cleared(got[0])
+    assert got[1:] == [batch(1), batch(2)]
+
+
 async def test_a_gap_is_filled_from_the_replay_socket(caplog: pytest.LogCaptureFixture) -> None:
     pub = publisher(replay_endpoint="tcp://127.0.0.1:*")
     async with joined(pub) as sub:

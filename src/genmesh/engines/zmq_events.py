@@ -7,7 +7,8 @@ an optional ROUTER socket (`replay_endpoint`) answers `[b"", start_seq]` from a 
 `[b"", seq, payload]` for every batch still in its buffer (`buffer_steps`, 10,000 by
 default) with seq >= start, then `[b"", -1 (8-byte signed), b""]`.
 
-`ZmqKvEvents` subscribes and hands on decoded batches in the engine's order. PUB/SUB drops
+`ZmqKvEvents` subscribes and hands on decoded batches in the engine's order, starting with
+what the replay socket still holds (the engine's history). PUB/SUB drops
 messages (a subscriber that joins late, a full queue), so it tracks the engine's seq: a
 gap is filled from the replay socket; when that is impossible (no replay endpoint, no
 answer, or the buffer no longer holds the missing batches) it hands on an
@@ -112,6 +113,8 @@ class ZmqKvEvents:
         sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
         sub.connect(self.config.endpoint or "")
         try:
+            for batch in await self._history():
+                yield batch
             while True:
                 try:
                     frames = await sub.recv_multipart()
@@ -134,6 +137,23 @@ class ZmqKvEvents:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+
+    async def _history(self) -> list[KvEventBatch]:
+        """What the engine published before we subscribed, as far as its replay socket
+        still holds it: a worker that starts (or restarts) beside a running engine learns
+        its cache at once, not at the engine's next batch. What the SUB socket then
+        delivers again is skipped by its seq."""
+        replayed = await self._replay(0) or []
+        out: list[KvEventBatch] = []
+        if replayed and replayed[0][0] != 0:  # older batches are gone
+            out.append(_cleared())
+            self._expected = replayed[0][0]
+        for got, payload in replayed:
+            if got != self._expected:
+                break
+            out.append(self._decode(payload))
+            self._expected = got + 1
+        return out
 
     async def _accept(self, seq: int, payload: bytes) -> list[KvEventBatch]:
         """What to hand on, now that the SUB socket delivered batch `seq`."""
