@@ -62,6 +62,8 @@ class GenerateOptions:
     model: str | None
     kv_transfer_params: dict[str, Any] | None
     dp_rank: int | None
+    # Enters the first block's hash (vLLM's prefix cache isolation).
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class _Fields:
     include_usage: bool
     continuous_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    cache_salt: str | None
 
 
 def parse_generate(
@@ -103,6 +106,7 @@ def parse_generate(
         model=fields.model,
         kv_transfer_params=kv if isinstance(kv, dict) else None,
         dp_rank=_dp_rank(headers.get("X-data-parallel-rank")),
+        cache_salt=fields.cache_salt,
     )
     return options, body
 
@@ -176,7 +180,7 @@ def _fields(body: dict[str, Any]) -> _Fields:
     kv_top = body.get("kv_transfer_params")
     if kv_top is not None and not isinstance(kv_top, dict):
         raise type_error("kv_transfer_params", "dictionary", kv_top)
-    return _Fields(model, stream, include_usage, continuous, kv_top)
+    return _Fields(model, stream, include_usage, continuous, kv_top, salt)
 
 
 def _stream_options(value: Any) -> tuple[bool, bool]:
