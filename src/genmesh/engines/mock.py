@@ -213,7 +213,7 @@ class MockConfig:
         None,
         flag="--mock-kv-blocks",
         parse=positive_int,
-        help="blocks of the mock's KV cache (max_total_num_tokens = blocks x block size); "
+        help="blocks of a mock worker's KV cache (max_total_num_tokens = blocks x block size); "
         "giving it turns the prefix cache on; unset: 1048576 tokens' worth, cache off",
     )
     sampling_defaults: SamplingDefaults = option(
