@@ -193,10 +193,12 @@ async def test_numbering_that_starts_again_is_an_engine_restart(tmp_path: Path) 
     # restarted publisher, which numbers from 0 again.
     config = SglangKvEventsConfig(publisher="zmq", endpoint=f"ipc://{tmp_path}/kv")
     first = ZmqEventPublisher(config, encode_engine_batch)
+    first.start()
     async with joined(first, replay=False, close=False) as sub:
         assert first.published > 1  # a restart at 0 goes back
         await first.close()
         second = ZmqEventPublisher(config, encode_engine_batch)
+        second.start()
         try:
             seen = len(sub.got)
             async with asyncio.timeout(10):

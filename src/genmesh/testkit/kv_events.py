@@ -97,24 +97,15 @@ def _binds(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """The engines' `ZmqEventPublisher`, on asyncio: `publish` numbers, encodes and sends
     a batch at once (a PUB socket never blocks: past its high-water mark it drops);
-    the replay socket is served by an owned task."""
+    the replay socket is served by an owned task. The sockets are made by `start`, in
+    the loop that serves them."""
 
     def __init__(self, config: KvEventsConfig, encode: Callable[[KvEventBatch], bytes]) -> None:
         self.config = config
         self._encode = encode
-        self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.sndhwm = config.hwm
-        self._pub.linger = 0
-        if _binds(config.endpoint):
-            self._pub.bind(config.endpoint)
-        else:
-            self._pub.connect(config.endpoint)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
-        if config.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.linger = 0
-            self._replay.bind(config.replay_endpoint)
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
@@ -124,7 +115,9 @@ class ZmqEventPublisher:
 
     @property
     def endpoint(self) -> str:
-        """Where the PUB socket is (a bound `*` port resolved)."""
+        """Where the PUB socket is (a bound `*` port resolved, once started)."""
+        if self._pub is None:
+            return self.config.endpoint
         return str(self._pub.getsockopt_string(zmq.LAST_ENDPOINT))
 
     @property
@@ -135,22 +128,38 @@ class ZmqEventPublisher:
     @property
     def replay_endpoint(self) -> str | None:
         if self._replay is None:
-            return None
+            return self.config.replay_endpoint
         return str(self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def start(self) -> None:
-        if self._replay is not None:
+        """Bind (or connect) the sockets and serve replays."""
+        config = self.config
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.sndhwm = config.hwm
+        self._pub.linger = 0
+        if _binds(config.endpoint):
+            self._pub.bind(config.endpoint)
+        else:
+            self._pub.connect(config.endpoint)
+        if config.replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.linger = 0
+            self._replay.bind(config.replay_endpoint)
             self._tasks.spawn(self._serve_replay(self._replay), name="replay")
 
     async def close(self) -> None:
         await self._tasks.close()
-        self._ctx.destroy(linger=0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
 
     def publish(self, batch: KvEventBatch) -> None:
         seq = self._seq
         self._seq += 1
         payload = self._encode(batch)
         self._buffer.append((seq, payload))
+        if self._pub is None:  # not started: kept for replay only
+            return
         if self.drop:
             self.drop -= 1
             return
