@@ -38,6 +38,7 @@ BLOCK = 4
 PROMPT = list(range(100, 110))  # 10 tokens: two full blocks of 4, then 2
 CONFIG = MockServerConfig(vocab_size=1000, eos_token_id=7, block_size=BLOCK)
 LOCAL = "tcp://127.0.0.1:*"
+JSON = {"Content-Type": "application/json"}
 
 
 def kv_config(engine: str, *, replay: bool = True) -> str:
@@ -83,8 +84,8 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def server(engine: str, *, replay: bool = True) -> AsyncIterator[Server]:
-    config = replace(CONFIG, kv_events_config=kv_config(engine, replay=replay))
+async def server(engine: str, *, replay: bool = True, **options: Any) -> AsyncIterator[Server]:
+    config = replace(CONFIG, kv_events_config=kv_config(engine, replay=replay), **options)
     app = sglang_app(config) if engine == "sglang" else vllm_app(config)
     async with serving(app) as url:
         publisher = app[PUBLISHER]
@@ -143,7 +144,7 @@ def chain(stored: list[BlockStored]) -> list[int]:
 async def test_the_adapter_relays_what_the_server_caches_and_cached_tokens_follow(
     engine: str,
 ) -> None:
-    async with server(engine) as srv:
+    async with server(engine, enable_prompt_tokens_details=True) as srv:
         await joined(srv)
         first = await srv.generate(PROMPT, tokens=3)
         # Prompt blocks after the prefill, then the block the output filled: 10 + 3
@@ -162,16 +163,10 @@ async def test_the_adapter_relays_what_the_server_caches_and_cached_tokens_follo
             assert {e.medium for e in stored} == {"GPU"}
         second = await srv.generate(PROMPT, tokens=3)
     # The second run finds the prompt's two full blocks (it computes the rest itself).
-    if engine == "sglang":
-        assert first[0].cached_tokens == 0
-        assert second[0].cached_tokens == 8
-        assert second[-1].usage is not None
-        assert second[-1].usage["cached_tokens"] == 8
-    else:
-        # vLLM reports cached tokens only with --enable-prompt-tokens-details, which the
-        # mock does not model: its usage says none.
-        assert second[-1].usage is not None
-        assert second[-1].usage["cached_tokens"] == 0
+    assert first[-1].usage is not None
+    assert first[-1].usage["cached_tokens"] == 0
+    assert second[-1].usage is not None
+    assert second[-1].usage["cached_tokens"] == 8
 
 
 async def replayed_payloads(endpoint: str) -> list[tuple[int, bytes]]:
@@ -227,7 +222,7 @@ async def test_vllm_events_carry_the_cache_salt_as_the_first_blocks_extra_key() 
         reply = await post(
             srv.url + "/inference/v1/generate",
             {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}, "cache_salt": "tenant-a"},
-            headers={"Content-Type": "application/json"},
+            headers=JSON,
         )
         assert reply.status == 200, reply.body
         await srv.wait(lambda got: srv.stored)
@@ -314,6 +309,19 @@ def test_kv_events_config_is_validated_as_each_engine_does() -> None:
     assert "publish\n  Extra inputs are not permitted" in str(vllm.value)
     assert parse_kv_events_config("vllm", '{"enable_kv_cache_events": true}').publishes
     assert not parse_kv_events_config("vllm", '{"publisher": "zmq"}').publishes
+
+
+async def test_vllm_says_what_was_cached_only_with_prompt_tokens_details() -> None:
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}}
+    for details in (False, True):
+        async with server("vllm", enable_prompt_tokens_details=details) as srv:
+            replies = [
+                await post(srv.url + "/inference/v1/generate", body, headers=JSON) for _ in range(2)
+            ]
+        usages = [r.body["usage"] for r in replies]
+        # vLLM leaves the details out when nothing was cached, and without the flag.
+        assert usages[0]["prompt_tokens_details"] is None
+        assert usages[1]["prompt_tokens_details"] == ({"cached_tokens": 8} if details else None)
 
 
 def test_without_kv_events_config_a_server_keeps_no_cache() -> None:

@@ -44,6 +44,11 @@ class MockServerConfig:
     )
     # SGLang: --incremental-streaming-output (deltas) instead of cumulative chunks.
     incremental: bool = option(False, help="SGLang: incremental (delta) streaming output")
+    # vLLM: --enable-prompt-tokens-details; without it vLLM's usage never says what was
+    # cached (and with it, only when something was: `if enable... and num_cached_tokens`).
+    enable_prompt_tokens_details: bool = option(
+        False, help="vLLM: usage reports prompt_tokens_details.cached_tokens"
+    )
     # vLLM: --tokens-only, which also registers POST /abort_requests.
     tokens_only: bool = option(
         True, flag="--no-tokens-only", help="vLLM: without --tokens-only (no /abort_requests)"

@@ -205,7 +205,11 @@ class Run:
         return self.fault_abort or self.running.aborted.is_set()
 
     def usage(self) -> dict[str, Any]:
-        return usage_counts(len(self.options.prompt), sum(len(s.tokens) for s in self.samples))
+        counts = usage_counts(len(self.options.prompt), sum(len(s.tokens) for s in self.samples))
+        cached = self.blocks[0].cached_tokens if self.blocks else 0
+        if self.engine.config.enable_prompt_tokens_details and cached:
+            counts["prompt_tokens_details"] = {"cached_tokens": cached}
+        return counts
 
     def check_connection(self) -> None:
         transport = self.request.transport
