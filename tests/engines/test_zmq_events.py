@@ -28,6 +28,7 @@ from genmesh.shared.kv_events import (
 )
 from genmesh.shared.settings import parse
 from genmesh.testkit.kv_events import SglangKvEventsConfig, ZmqEventPublisher
+from tests.mesh import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -212,6 +213,31 @@ async def test_numbering_that_starts_again_is_an_engine_restart(tmp_path: Path) 
     last = restarted[-1].events[0]
     assert isinstance(last, BlockStored)
     assert last.block_hashes[0] >= 100  # type: ignore[operator]
+
+
+async def test_close_ends_the_iteration_even_while_a_replay_waits() -> None:
+    pub = publisher()
+    # Nobody answers on this replay address: the subscriber waits there from the start.
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    events = ZmqKvEvents(
+        ZmqEventsConfig(endpoint=pub.endpoint, replay_endpoint=silent, replay_timeout_s=30)
+    )
+    got: list[KvEventBatch] = []
+
+    async def collect() -> None:
+        async for b in events.batches():
+            got.append(b)
+
+    task = asyncio.create_task(collect())
+    try:
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        events.close()
+        await asyncio.wait_for(task, 2)  # ends, without an error, long before 30 s
+    finally:
+        task.cancel()
+        await pub.close()
+    assert got == []
 
 
 async def test_the_adapter_subscribes_when_given_the_endpoint_and_closes_with_it() -> None:

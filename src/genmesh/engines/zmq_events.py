@@ -116,19 +116,20 @@ class ZmqKvEvents:
             for batch in await self._history():
                 yield batch
             while True:
-                try:
-                    frames = await sub.recv_multipart()
-                except (asyncio.CancelledError, zmq.ZMQError):
-                    task = asyncio.current_task()
-                    if self._ctx is not ctx and not (task and task.cancelling()):
-                        return  # close() ended the subscription: the iteration ends
-                    raise
+                frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning("KV events: ignoring a message of %d frames", len(frames))
                     continue
                 seq = int.from_bytes(frames[1], "big")
                 for batch in await self._accept(seq, frames[2]):
                     yield batch
+        except (asyncio.CancelledError, zmq.ZMQError):
+            # Closing the sockets under a pending receive (or replay) cancels it: that is
+            # close() ending the subscription, unless our own task is being cancelled.
+            task = asyncio.current_task()
+            if self._ctx is not ctx and not (task and task.cancelling()):
+                return
+            raise
         finally:
             self.close()
 

@@ -167,8 +167,8 @@ def decode_engine_batch(payload: bytes) -> KvEventBatch:
 def encode_engine_batch(
     batch: KvEventBatch, *, array_like: bool = True, vllm: bool = False
 ) -> bytes:
-    """`batch` as an engine publishes it: `array_like` as SGLang and vLLM up to 0.23 do,
-    else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`). Arrays end
+    """`batch` as an engine publishes it: events `array_like` as SGLang and vLLM up to
+    0.23 do, else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`). Arrays end
     where SGLang's do (`BlockStored` at `lora_id`, `BlockRemoved` at its hashes) unless
     `vllm`: vLLM's positional structs go on with `medium` and `lora_name` (no defaults,
     always sent) and `extra_keys` (one entry per block, None for a plain block), msgspec
@@ -206,14 +206,12 @@ def encode_engine_batch(
                 )
         else:
             events.append(["AllBlocksCleared"] if array_like else {"type": "AllBlocksCleared"})
-    if array_like:
-        body: Any = [batch.ts, events]
-        if batch.data_parallel_rank is not None:
-            body.append(batch.data_parallel_rank)
-    else:
-        body = {"ts": batch.ts, "events": events}
-        if batch.data_parallel_rank is not None:
-            body["data_parallel_rank"] = batch.data_parallel_rank
+    # The batch itself stays positional in every version: vLLM's #42892 made only the
+    # events maps (its EventBatch keeps array_like; captured from v0.26:
+    # `[ts, [{"type": "BlockStored", ...}], 0]`).
+    body: list[Any] = [batch.ts, events]
+    if batch.data_parallel_rank is not None:
+        body.append(batch.data_parallel_rank)
     payload: bytes = msgpack.packb(body, use_bin_type=True)
     return payload
 
