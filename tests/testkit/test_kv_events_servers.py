@@ -327,3 +327,13 @@ async def test_vllm_says_what_was_cached_only_with_prompt_tokens_details() -> No
 def test_without_kv_events_config_a_server_keeps_no_cache() -> None:
     assert PUBLISHER not in sglang_app(CONFIG)
     assert PUBLISHER not in vllm_app(CONFIG)
+
+
+async def test_the_drop_hook_refuses_what_is_not_a_count() -> None:
+    async with server("sglang") as srv:
+        for body in ({"drop": -1}, {"drop": True}, [1], "x"):
+            reply = await post(srv.url + "/testkit/kv_events", body)
+            assert (reply.status, reply.body) == (400, {"error": 'send {"drop": n}, n >= 0'})
+        reply = await post(srv.url + "/testkit/kv_events", {"drop": 2})
+        assert reply.status == 200
+        assert reply.body["drop"] == 2

@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Literal
 
 import zmq
 import zmq.asyncio
@@ -188,7 +188,7 @@ def add_kv_event_routes(app: web.Application, publisher: ZmqEventPublisher) -> N
     """Run `publisher` with the app, and its test hook under `/testkit/kv_events`."""
     app[PUBLISHER] = publisher
 
-    async def lifecycle(app: web.Application) -> Any:
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         publisher.start()
         yield
         await publisher.close()
@@ -199,9 +199,12 @@ def add_kv_event_routes(app: web.Application, publisher: ZmqEventPublisher) -> N
 
 
 async def _kv_events_hook(request: web.Request) -> web.Response:
-    body = await request.json()
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
     drop = body.get("drop") if isinstance(body, dict) else None
-    if not isinstance(drop, int) or drop < 0:
+    if not isinstance(drop, int) or isinstance(drop, bool) or drop < 0:
         return web.json_response({"error": 'send {"drop": n}, n >= 0'}, status=400)
     request.app[PUBLISHER].drop = drop
     return await _kv_events_state(request)
