@@ -215,6 +215,30 @@ async def test_numbering_that_starts_again_is_an_engine_restart(tmp_path: Path) 
     assert last.block_hashes[0] >= 100  # type: ignore[operator]
 
 
+async def test_a_new_subscription_starts_afresh_from_the_history() -> None:
+    # As when a worker's relay stops and starts again on the same adapter.
+    pub = publisher(replay_endpoint="tcp://127.0.0.1:*")
+    for n in range(3):
+        pub.publish(batch(n))
+    try:
+        for _ in range(2):
+            history = [batch(n) for n in range(pub.published)]
+            sub = Subscriber(pub)
+            try:
+                assert await sub.wait_for(len(history)) == history
+                async with asyncio.timeout(10):
+                    while len(sub.got) == len(history):  # until the SUB socket has joined
+                        pub.publish(batch(pub.published))
+                        await asyncio.sleep(0.02)
+                got = await sub.wait_for(pub.published)
+            finally:
+                await sub.close()
+            # Nothing cleared, nothing twice: what it missed joining came from the replay.
+            assert got == [batch(n) for n in range(pub.published)]
+    finally:
+        await pub.close()
+
+
 async def test_close_ends_the_iteration_even_while_a_replay_waits() -> None:
     pub = publisher()
     # Nobody answers on this replay address: the subscriber waits there from the start.

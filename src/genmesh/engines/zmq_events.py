@@ -106,6 +106,7 @@ class ZmqKvEvents:
         import zmq
         import zmq.asyncio
 
+        self._expected, self._last_received = 0, -1  # a new subscription knows nothing yet
         self._ctx = ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         sub.rcvhwm = _RCV_HWM
@@ -149,11 +150,7 @@ class ZmqKvEvents:
         if replayed and replayed[0][0] != 0:  # older batches are gone
             out.append(_cleared())
             self._expected = replayed[0][0]
-        for got, payload in replayed:
-            if got != self._expected:
-                break
-            out.append(self._decode(payload))
-            self._expected = got + 1
+        out.extend(self._in_order(replayed))
         return out
 
     async def _accept(self, seq: int, payload: bytes) -> list[KvEventBatch]:
@@ -193,14 +190,20 @@ class ZmqKvEvents:
             )
             out.append(_cleared())
             self._expected = replayed[0][0] if replayed and replayed[0][0] <= seq else seq
+        out.extend(self._in_order(replayed))
+        if self._expected < seq:  # the replay stopped short of what the SUB socket has
+            out.append(_cleared())
+            self._expected = seq
+        return out
+
+    def _in_order(self, replayed: list[tuple[int, bytes]]) -> list[KvEventBatch]:
+        """The replayed batches that continue from `_expected`, decoded."""
+        out: list[KvEventBatch] = []
         for got, payload in replayed:
             if got != self._expected:
                 break
             out.append(self._decode(payload))
             self._expected = got + 1
-        if self._expected < seq:  # the replay stopped short of what the SUB socket has
-            out.append(_cleared())
-            self._expected = seq
         return out
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
