@@ -17,7 +17,7 @@ from genmesh.engines import create_engine
 from genmesh.engines.http import HttpEngineConfig
 from genmesh.engines.mock import MockConfig
 from genmesh.engines.sglang import SglangEngine
-from genmesh.engines.zmq_events import ZmqEventsConfig, ZmqKvEvents, zmq_address
+from genmesh.engines.zmq_events import ZmqEventsConfig, ZmqKvEvents
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.shared.envelope import TokenIds
 from genmesh.shared.kv_events import (
@@ -301,12 +301,18 @@ def test_the_worker_options_and_their_refusals() -> None:
         ],
     )  # fmt: skip
     assert config.kv_events == ZmqEventsConfig("tcp://gpu1:5557", "tcp://gpu1:5558", "kv")
-    with pytest.raises(ValueError, match=r"^connect to the") as bound:
-        zmq_address("tcp://*:5557")
-    assert str(bound.value) == "connect to the engine's host, not to * (that is where it binds)"
-    with pytest.raises(ValueError, match=r"^a ZMQ address") as scheme:
-        zmq_address("gpu1:5557")
-    assert str(scheme.value) == "a ZMQ address: tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+    sglang = "http://gpu1:30000"
+    with pytest.raises(ValueError, match=r"^--engine-kv-events ") as bound:
+        create_engine("sglang", url=sglang, kv_events=ZmqEventsConfig("tcp://*:5557"))
+    assert str(bound.value) == (
+        "--engine-kv-events tcp://*:5557: connect to the engine's host, not to * "
+        "(that is where it binds)"
+    )
+    with pytest.raises(ValueError, match=r"^--engine-kv-events-replay ") as scheme:
+        create_engine("vllm", url=sglang, kv_events=ZmqEventsConfig("tcp://gpu1:5557", "gpu1:5558"))
+    assert str(scheme.value) == (
+        "--engine-kv-events-replay gpu1:5558: a ZMQ address is tcp://HOST:PORT or ipc://PATH"
+    )
     with pytest.raises(ValueError, match=r"^--engine-kv-events") as mock:
         create_engine("mock", mock=MockConfig(), kv_events=ZmqEventsConfig("tcp://h:5557"))
     assert str(mock.value) == (

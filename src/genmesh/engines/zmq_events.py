@@ -49,14 +49,16 @@ END_SEQ = -1
 _RCV_HWM = 100_000
 
 
-def zmq_address(text: str) -> str:
-    """An address to connect to: the engine binds `tcp://*:5557`, a worker connects to
-    `tcp://HOST:5557`."""
+def check_address(flag: str, text: str) -> None:
+    """ValueError unless `text` is an address to connect to: the engine binds
+    `tcp://*:5557`, a worker connects to `tcp://HOST:5557`. (Checked when the adapter is
+    made, not by the option's parser, so that the operator reads why.)"""
     if not text.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError("a ZMQ address: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+        raise ValueError(f"{flag} {text}: a ZMQ address is tcp://HOST:PORT or ipc://PATH")
     if "*" in text:
-        raise ValueError("connect to the engine's host, not to * (that is where it binds)")
-    return text
+        raise ValueError(
+            f"{flag} {text}: connect to the engine's host, not to * (that is where it binds)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +68,12 @@ class ZmqEventsConfig:
     endpoint: str | None = option(
         None,
         flag="--engine-kv-events",
-        parse=zmq_address,
         help="the engine's KV event publisher (its --kv-events-config endpoint, as "
         "tcp://HOST:5557); unset: the engine's cache is not reported",
     )
     replay_endpoint: str | None = option(
         None,
         flag="--engine-kv-events-replay",
-        parse=zmq_address,
         help="the engine's replay socket (--kv-events-config replay_endpoint, as "
         "tcp://HOST:5558), to fetch missed batches; without it a gap clears the cache view",
     )
@@ -94,6 +94,9 @@ class ZmqKvEvents:
     def __init__(self, config: ZmqEventsConfig) -> None:
         if config.endpoint is None:
             raise ValueError("ZmqKvEvents needs the engine's KV event endpoint")
+        check_address("--engine-kv-events", config.endpoint)
+        if config.replay_endpoint is not None:
+            check_address("--engine-kv-events-replay", config.replay_endpoint)
         self.config = config
         self._ctx: zmq.asyncio.Context | None = None
         # The next engine seq to hand on, and the last seq the SUB socket delivered.
