@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from genmesh.engines.base import KvUsage
 from genmesh.engines.zmq_events import ZmqEventsConfig, ZmqKvEvents
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.kv_events import KvEventBatch
@@ -65,6 +66,11 @@ class HttpEngineBase:
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
         return self._kv_events.batches() if self._kv_events is not None else None
+
+    def kv_usage(self) -> KvUsage | None:
+        # The servers say it only over HTTP (SGLang's /get_load, vLLM's /metrics): a round
+        # trip per load announcement is not cheap, so their workers' cards leave it out.
+        return None
 
     async def post_admin(self, path: str, payload: Any = None) -> tuple[int, str]:
         """POST one of the server's admin routes (abort, flush): its status and body text,

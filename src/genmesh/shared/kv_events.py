@@ -22,6 +22,7 @@ Three shapes of the same facts live here, each with its codec:
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ import xxhash
 
 from genmesh.codecs.int32 import from_le_bytes, to_le_bytes
 from genmesh.shared.envelope import Envelope, TokenIds
+from genmesh.shared.multimodal import FeaturesError, MmItem, envelope_items
+
+log = logging.getLogger(__name__)
 
 # An engine's block hash: an int (older vLLM, SGLang) or bytes (newer vLLM's sha256).
 EngineHash = int | bytes
@@ -365,12 +369,19 @@ class KvSnapshotPage:
 ROOT_SEED = 1337
 
 
-def extra_bytes(keys: tuple[Any, ...] | None) -> bytes:
+def extra_bytes(keys: Sequence[Any] | None) -> bytes:
     """A block's extra keys as bytes that enter its key: the same on both sides (a
-    request's multimodal items, and a stored event's `extra_keys`)."""
+    request's multimodal items and cache salt, and a stored event's `extra_keys`). A key
+    may itself be a sequence (vLLM's multimodal `(hash, offset)`), which the engine's
+    msgpack and the bus deliver as a list: a tuple and a list of the same keys are the
+    same bytes. (vLLM's keys nest no deeper.)"""
     if not keys:
         return b""
-    return b"\x1f".join(str(k).encode() for k in keys)
+    return b"\x1f".join(
+        [b"(" + b"\x1f".join([str(x).encode() for x in k]) + b")"
+         if isinstance(k, list | tuple) else str(k).encode()
+         for k in keys]
+    )  # fmt: skip
 
 
 def block_keys(
@@ -401,16 +412,48 @@ def stored_keys(event: BlockStored, parent: int = ROOT_SEED) -> list[int]:
     return block_keys(event.token_ids, event.block_size, event.extra_keys, parent)
 
 
-def request_extra_keys(envelope: Envelope) -> list[tuple[Any, ...] | None] | None:
-    """Per prompt block, what besides its tokens goes into its key, in vLLM's order
-    (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py): multimodal
-    items, then the cache salt, which only the first block carries. None: nothing."""
+def mm_block_keys(items: Sequence[MmItem], block_size: int, blocks: int) -> list[list[Any]]:
+    """Per block (of `blocks`), the multimodal extra keys vLLM gives it
+    (`_gen_mm_extra_hash_keys`, vllm/v1/core/kv_cache_utils.py): for each item the block
+    touches, in prompt order, `(item hash, item offset - block start)` (negative for an
+    item that began in an earlier block). vLLM walks every block past the items; this
+    walks each item's blocks, which gives the same keys for the blocks items touch only."""
+    keys: list[list[Any]] = [[] for _ in range(blocks)]
+    for item in items:
+        last = min((item.offset + item.length - 1) // block_size, blocks - 1)
+        for block in range(item.offset // block_size, last + 1):
+            keys[block].append((item.identifier, item.offset - block * block_size))
+    return keys
+
+
+def request_extra_keys(
+    envelope: Envelope, block_size: int, length: int | None = None
+) -> list[tuple[Any, ...] | None] | None:
+    """Per block of a request, what besides its tokens goes into its key, as vLLM's
+    `generate_block_hash_extra_keys` (vllm/v1/core/kv_cache_utils.py) makes it and newer
+    vLLM's `BlockStored.extra_keys` report it: the multimodal items the block touches
+    (`mm_block_keys`), then the cache salt, which only the first block carries (LoRA
+    names would come first; the mesh routes none). `length` tokens are covered (default
+    the prompt; an engine caching prompt and output passes their length); entries past
+    the end of the list are None, and None is nothing at all.
+
+    Features vLLM would refuse (a client speaking the envelope is not checked by the
+    vLLM format) leave the text-only keys: the engine refuses the request anyway."""
     salt = envelope.routing.cache_salt
-    if not salt:
-        return None
-    return [(salt,)]
+    try:
+        items = envelope_items(envelope)
+    except FeaturesError as exc:
+        log.warning("request %s: routed on its tokens alone: %s", envelope.id, exc)
+        items = []
+    if not items:
+        return [(salt,)] if salt else None
+    covered = len(envelope.token_ids) if length is None else length
+    per_block = mm_block_keys(items, block_size, covered // block_size)
+    if salt and per_block:
+        per_block[0].append(salt)
+    return [tuple(keys) if keys else None for keys in per_block]
 
 
 def request_block_keys(envelope: Envelope, block_size: int) -> list[int]:
     """The router's keys of the full blocks of a request's prompt."""
-    return block_keys(envelope.token_ids, block_size, request_extra_keys(envelope))
+    return block_keys(envelope.token_ids, block_size, request_extra_keys(envelope, block_size))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.policies import POLICY_OPTION
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
@@ -22,4 +23,7 @@ class RouterConfig:
         default_factory=new_router_id, help="router id (a subject token); random if unset"
     )
     policy: str = reuse(POLICY_OPTION)
+    admission: AdmissionConfig = group(
+        AdmissionConfig(), title="admission control (busy workers, the wait queue)"
+    )
     metrics: MetricsConfig = group(MetricsConfig())

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from genmesh.routing.metrics import AdmissionCollector
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import counter_by_code, new_registry
 
@@ -71,4 +72,5 @@ class RouterCollector(Collector):
 def router_registry(router: Router) -> CollectorRegistry:
     registry = new_registry()
     registry.register(RouterCollector(router))
+    registry.register(AdmissionCollector(router.admission, "genmesh_router_"))
     return registry

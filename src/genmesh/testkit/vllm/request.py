@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genmesh.engines.mock import MAX_TOP_LOGPROBS
+from genmesh.shared.multimodal import FeaturesError, features_items
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm.errors import ApiError, type_error
 from genmesh.testkit.vllm.sampling import (
@@ -198,7 +199,7 @@ def _stream_options(value: Any) -> tuple[bool, bool]:
 
 
 def _refuse_unsupported(body: dict[str, Any], profile: str) -> None:
-    """Text output, multimodal inputs and encoder caches: what this mock has no model for."""
+    """Text output, multimodal media and encoder caches: what this mock has no model for."""
     if profile == "new":
         output_mode = body.get("output_mode", "tokens")
         if output_mode == "text":
@@ -208,8 +209,22 @@ def _refuse_unsupported(body: dict[str, Any], profile: str) -> None:
             raise ApiError("1 validation error for GenerateRequest\n  Input tag "
                            f"{output_mode!r:.40} does not match any of the expected tags: "
                            "'tokens', 'text'")  # fmt: skip
-    for key in ("features", "content_parts", "ec_transfer_params"):
-        if body.get(key):
+    features = body.get("features")
+    if profile == "new" and features is not None and not body.get("content_parts"):
+        # Rendered multimodal items are served (the model is text-only: they change no
+        # token), their layout checked as vLLM checks it.
+        try:
+            features_items(features, len(body["token_ids"]))
+        except FeaturesError as exc:
+            raise ApiError(f"1 validation error for GenerateRequest\nfeatures\n  Value error, "
+                           f"{exc}", 400, "features") from None  # fmt: skip
+        features = None
+    for key, value in (
+        ("features", features),
+        ("content_parts", body.get("content_parts")),
+        ("ec_transfer_params", body.get("ec_transfer_params")),
+    ):
+        if value:
             raise ApiError(f"{key}: this mock serves a text-only model without multimodal or "
                            "encoder-cache support", 400, key)  # fmt: skip
 
