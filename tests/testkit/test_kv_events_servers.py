@@ -24,7 +24,13 @@ from genmesh.engines.http import HttpEngineBase, HttpEngineConfig
 from genmesh.engines.sglang import SglangEngine
 from genmesh.engines.vllm import VllmEngine
 from genmesh.engines.zmq_events import ZmqEventsConfig
-from genmesh.shared.kv_events import AllBlocksCleared, BlockStored, KvEventBatch
+from genmesh.shared.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    KvEventBatch,
+    request_block_keys,
+    stored_keys,
+)
 from genmesh.testkit.common import serving
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.kv_events import PUBLISHER, parse_kv_events_config
@@ -227,6 +233,30 @@ async def test_vllm_events_carry_the_cache_salt_as_the_first_blocks_extra_key() 
         assert reply.status == 200, reply.body
         await srv.wait(lambda got: srv.stored)
     assert srv.stored[0].extra_keys == [("tenant-a",), None]
+
+
+async def test_vllm_events_key_multimodal_blocks_as_a_router_keys_the_request() -> None:
+    # An image on tokens 2-7 touches blocks 0 and 1: each carries (its hash, its offset
+    # from the block's start), as vLLM's generate_block_hash_extra_keys gives them.
+    features = {
+        "mm_hashes": {"image": ["img-1"]},
+        "mm_placeholders": {"image": [{"offset": 2, "length": 6}]},
+        "kwargs_data": {"image": [None]},
+    }
+    async with server("vllm") as srv:
+        await joined(srv)
+        reply = await post(
+            srv.url + "/inference/v1/generate",
+            {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}, "features": features},
+            headers=JSON,
+        )
+        assert reply.status == 200, reply.body
+        await srv.wait(lambda got: srv.stored)
+    stored = srv.stored[0]
+    assert stored.extra_keys == [(["img-1", 2],), (["img-1", -2],)]
+    env = request(PROMPT, max_tokens=1)
+    env.format, env.engine = "vllm", {"features": features}
+    assert stored_keys(stored) == request_block_keys(env, BLOCK)  # the first block: no parent
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

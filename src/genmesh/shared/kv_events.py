@@ -439,16 +439,24 @@ def request_extra_keys(
 
     Features vLLM would refuse (a client speaking the envelope is not checked by the
     vLLM format) leave the text-only keys: the engine refuses the request anyway."""
-    salt = envelope.routing.cache_salt
     try:
         items = envelope_items(envelope)
     except FeaturesError as exc:
         log.warning("request %s: routed on its tokens alone: %s", envelope.id, exc)
         items = []
+    covered = len(envelope.token_ids) if length is None else length
+    return block_extra_keys(items, envelope.routing.cache_salt, block_size, covered)
+
+
+def block_extra_keys(
+    items: Sequence[MmItem], salt: str | None, block_size: int, length: int
+) -> list[tuple[Any, ...] | None] | None:
+    """`request_extra_keys` from a request's parts: its multimodal items (in prompt
+    order) and cache salt, over `length` tokens; for an engine that has no envelope (the
+    testkit's vLLM server)."""
     if not items:
         return [(salt,)] if salt else None
-    covered = len(envelope.token_ids) if length is None else length
-    per_block = mm_block_keys(items, block_size, covered // block_size)
+    per_block = mm_block_keys(items, block_size, length // block_size)
     if salt and per_block:
         per_block[0].append(salt)
     return [tuple(keys) if keys else None for keys in per_block]

@@ -27,7 +27,6 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from genmesh.engines.prefix_cache import BlockPool, ExtraKeys, RequestBlocks
 from genmesh.shared.envelope import TokenIds
@@ -137,8 +136,3 @@ def server_cache(engine: str, config: MockServerConfig, block_size: int) -> Serv
     blocks = max(config.max_total_num_tokens // block_size, 1)
     publisher = ZmqEventPublisher(settings, encode)
     return ServerCache((blocks, block_size), publisher, convert, rank)
-
-
-def cache_extra(salt: Any) -> ExtraKeys:
-    """vLLM's extra keys of a request's blocks: its cache salt on the first block."""
-    return [(salt,)] if salt else None

@@ -26,9 +26,10 @@ from aiohttp import web
 from genmesh.engines.faults import Fault, Running, ServerState
 from genmesh.engines.mock import TokenModel
 from genmesh.engines.prefix_cache import RequestBlocks
+from genmesh.shared.kv_events import block_extra_keys
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.config import MockServerConfig
-from genmesh.testkit.kv_cache import ServerCache, cache_extra
+from genmesh.testkit.kv_cache import ServerCache
 from genmesh.testkit.vllm.decode import Sample, prompt_state
 from genmesh.testkit.vllm.errors import error_body
 from genmesh.testkit.vllm.request import ENGINE_ID_PREFIX, GenerateOptions, budget
@@ -116,8 +117,11 @@ class Run:
         self._start_samples()
         cache = self.engine.cache
         if cache is not None:
-            extra = cache_extra(self.options.cache_salt)
-            self.blocks = [cache.open(self.options.prompt, extra) for _ in self.samples]
+            opts = self.options
+            # vLLM's generate_block_hash_extra_keys, over every block the run can fill.
+            length = len(opts.prompt) + max(s.budget for s in self.samples)
+            extra = block_extra_keys(opts.mm_items, opts.cache_salt, cache.pool.block_size, length)
+            self.blocks = [cache.open(opts.prompt, extra) for _ in self.samples]
         self.running.waiting = False
         if self.options.stream:
             self.response = web.StreamResponse(
