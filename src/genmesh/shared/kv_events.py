@@ -6,7 +6,8 @@ Three shapes of the same facts live here, each with its codec:
   `[topic, seq (8-byte big-endian), payload]`; the payload a msgpack `KVEventBatch`). Older
   vLLM and SGLang encode the batch and its events `array_like` (positional arrays, each
   event's first element its tag: `["BlockStored", hashes, parent, token_ids, block_size,
-  lora_id, ...]`); newer vLLM encodes maps (`{"type": "BlockStored", "block_hashes": ...}`).
+  lora_id, ...]`); vLLM after 0.23 (#42892) encodes the events as maps
+  (`{"type": "BlockStored", "block_hashes": ...}`) in a batch that stays positional.
   `decode_engine_batch` reads both; trailing fields a version added are optional.
   (vllm/distributed/kv_events.py; sglang/srt/disaggregation/kv_events.py.)
 - **genmesh's on NATS** (`genmesh.<ns>.kv.<wid>`, docs/protocol.md "KV events"): one
@@ -172,12 +173,12 @@ def encode_engine_batch(
     batch: KvEventBatch, *, array_like: bool = True, vllm: bool = False
 ) -> bytes:
     """`batch` as an engine publishes it: events `array_like` as SGLang and vLLM up to
-    0.23 do, else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`). Arrays end
-    where SGLang's do (`BlockStored` at `lora_id`, `BlockRemoved` at its hashes) unless
-    `vllm`: vLLM's positional structs go on with `medium` and `lora_name` (no defaults,
-    always sent) and `extra_keys` (one entry per block, None for a plain block), msgspec
-    omitting only trailing defaults (vllm/distributed/kv_events.py, v0.11 to v0.23;
-    `group_idx` and the cache-spec fields after it are left at their defaults)."""
+    0.23 do, else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`).
+    Arrays end where SGLang's do (`BlockStored` at `lora_id`, `BlockRemoved` at its
+    hashes) unless `vllm`: vLLM's positional structs go on with `medium` and `lora_name`
+    (no defaults, always sent) and `extra_keys` (one entry per block, None for a plain
+    block), msgspec omitting only trailing defaults (vllm/distributed/kv_events.py, v0.11
+    to v0.23; `group_idx` and the cache-spec fields after it are left at their defaults)."""
     events: list[Any] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
