@@ -6,7 +6,8 @@ Three shapes of the same facts live here, each with its codec:
   `[topic, seq (8-byte big-endian), payload]`; the payload a msgpack `KVEventBatch`). Older
   vLLM and SGLang encode the batch and its events `array_like` (positional arrays, each
   event's first element its tag: `["BlockStored", hashes, parent, token_ids, block_size,
-  lora_id, ...]`); newer vLLM encodes maps (`{"type": "BlockStored", "block_hashes": ...}`).
+  lora_id, ...]`); vLLM after 0.23 (#42892) encodes the events as maps
+  (`{"type": "BlockStored", "block_hashes": ...}`) in a batch that stays positional.
   `decode_engine_batch` reads both; trailing fields a version added are optional.
   (vllm/distributed/kv_events.py; sglang/srt/disaggregation/kv_events.py.)
 - **genmesh's on NATS** (`genmesh.<ns>.kv.<wid>`, docs/protocol.md "KV events"): one
@@ -168,10 +169,16 @@ def decode_engine_batch(payload: bytes) -> KvEventBatch:
     return KvEventBatch(float(ts), [_engine_event(e) for e in events], rank)
 
 
-def encode_engine_batch(batch: KvEventBatch, *, array_like: bool = True) -> bytes:
-    """`batch` as an engine publishes it: `array_like` as SGLang and vLLM up to 0.10 do
-    (SGLang's `BlockStored` ends at `lora_id`, `BlockRemoved` at its hashes), else as
-    newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`)."""
+def encode_engine_batch(
+    batch: KvEventBatch, *, array_like: bool = True, vllm: bool = False
+) -> bytes:
+    """`batch` as an engine publishes it: events `array_like` as SGLang and vLLM up to
+    0.23 do, else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`).
+    Arrays end where SGLang's do (`BlockStored` at `lora_id`, `BlockRemoved` at its
+    hashes) unless `vllm`: vLLM's positional structs go on with `medium` and `lora_name`
+    (no defaults, always sent) and `extra_keys` (one entry per block, None for a plain
+    block), msgspec omitting only trailing defaults (vllm/distributed/kv_events.py, v0.11
+    to v0.23; `group_idx` and the cache-spec fields after it are left at their defaults)."""
     events: list[Any] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
@@ -182,29 +189,34 @@ def encode_engine_batch(batch: KvEventBatch, *, array_like: bool = True) -> byte
                 e.block_size,
                 e.lora_id,
             ]
-            if array_like:
+            extra = [list(k) if k is not None else None for k in e.extra_keys or ()]
+            if array_like and vllm:
+                per_block = extra or [None] * len(e.block_hashes)
+                events.append(["BlockStored", *values, e.medium, None, per_block])
+            elif array_like:
                 events.append(["BlockStored", *values])
             else:
-                extra = [list(k) if k is not None else None for k in e.extra_keys or ()]
                 fields = dict(zip(_STORED_FIELDS, values, strict=False))
                 fields.update(medium=e.medium, lora_name=None, extra_keys=extra or None)
                 events.append({"type": "BlockStored", **fields})
         elif isinstance(e, BlockRemoved):
-            events.append(
-                ["BlockRemoved", e.block_hashes]
-                if array_like
-                else {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
-            )
+            if array_like:
+                removed: Any = ["BlockRemoved", e.block_hashes]
+                if vllm:
+                    removed.append(e.medium)
+                events.append(removed)
+            else:
+                events.append(
+                    {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
+                )
         else:
             events.append(["AllBlocksCleared"] if array_like else {"type": "AllBlocksCleared"})
-    if array_like:
-        body: Any = [batch.ts, events]
-        if batch.data_parallel_rank is not None:
-            body.append(batch.data_parallel_rank)
-    else:
-        body = {"ts": batch.ts, "events": events}
-        if batch.data_parallel_rank is not None:
-            body["data_parallel_rank"] = batch.data_parallel_rank
+    # The batch itself stays positional in every version: vLLM's #42892 made only the
+    # events maps (its EventBatch keeps array_like; captured from v0.26:
+    # `[ts, [{"type": "BlockStored", ...}], 0]`).
+    body: list[Any] = [batch.ts, events]
+    if batch.data_parallel_rank is not None:
+        body.append(batch.data_parallel_rank)
     payload: bytes = msgpack.packb(body, use_bin_type=True)
     return payload
 
@@ -428,16 +440,24 @@ def request_extra_keys(
 
     Features vLLM would refuse (a client speaking the envelope is not checked by the
     vLLM format) leave the text-only keys: the engine refuses the request anyway."""
-    salt = envelope.routing.cache_salt
     try:
         items = envelope_items(envelope)
     except FeaturesError as exc:
         log.warning("request %s: routed on its tokens alone: %s", envelope.id, exc)
         items = []
+    covered = len(envelope.token_ids) if length is None else length
+    return block_extra_keys(items, envelope.routing.cache_salt, block_size, covered)
+
+
+def block_extra_keys(
+    items: Sequence[MmItem], salt: str | None, block_size: int, length: int
+) -> list[tuple[Any, ...] | None] | None:
+    """`request_extra_keys` from a request's parts: its multimodal items (in prompt
+    order) and cache salt, over `length` tokens; for an engine that has no envelope (the
+    testkit's vLLM server)."""
     if not items:
         return [(salt,)] if salt else None
-    covered = len(envelope.token_ids) if length is None else length
-    per_block = mm_block_keys(items, block_size, covered // block_size)
+    per_block = mm_block_keys(items, block_size, length // block_size)
     if salt and per_block:
         per_block[0].append(salt)
     return [tuple(keys) if keys else None for keys in per_block]
