@@ -62,6 +62,8 @@ HEADERS: list[dict[str, str] | None] = [
     {"traceparent": VALID},
     {"Traceparent": VALID, "genmesh-codec": "msgpack"},
     {"TRACEPARENT": f"00-{TRACE_ID}-{SPAN_ID}-00"},  # sampled out
+    {"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-ff"},  # every flag (read by table)
+    {"traceparent": f"00-{'f' * 32}-{'f' * 16}-01"},  # the largest ids
     {"traceparent": f"01-{TRACE_ID}-{SPAN_ID}-03-future-fields"},  # a later version
     {"traceparent": f"  {VALID}\t"},  # whitespace around
     {"traceparent": VALID + "\n"},
@@ -109,6 +111,9 @@ def span_with(state: TraceState | None = None, flags: int = 1) -> NonRecordingSp
 SPANS = [
     span_with(),
     span_with(flags=0),
+    span_with(flags=0xFF),
+    NonRecordingSpan(SpanContext((1 << 128) - 1, 1, False, TraceFlags(1))),  # ids' edges
+    NonRecordingSpan(SpanContext(1, (1 << 64) - 1, False, TraceFlags(1))),
     span_with(TraceState([("congo", "t61rcWkgMzE")])),
     NonRecordingSpan(trace.INVALID_SPAN_CONTEXT),
 ]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 if TYPE_CHECKING:
@@ -162,6 +162,9 @@ _FLAGS_FIELD = {
 }
 _NO_STATUS = b"\x7a\x00"
 _UNSET = StatusCode.UNSET
+# The status of every span that has none set (a LightSpan's default): written without
+# reading its two properties.
+UNSET_STATUS = Status(_UNSET)
 # Span and event names repeat: their encoded fields, by tag and name (cleared when full).
 _names: dict[tuple[int, str], bytes] = {}
 _MAX_NAMES = 4096
@@ -208,7 +211,7 @@ def _span(span: AnySpan) -> bytes:
     parts = [
         _head(
             b"\x0a\x10", trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, b"\x12\x08", context.span_id
-        )
+        ),
     ]
     trace_state = context.trace_state
     if trace_state is not _NO_TRACE_STATE and trace_state:
@@ -226,14 +229,12 @@ def _span(span: AnySpan) -> bytes:
     parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
     if span.dropped_attributes:
         parts.append(b"\x50" + _varint(span.dropped_attributes))
-    events = span.events
-    if events:
-        if isinstance(events[0], tuple):  # a LightSpan's: (name, timestamp, attributes)
-            parts.extend([_event(name, ts, attributes, 0) for name, ts, attributes in events])
-        else:  # the SDK's Events
-            parts.extend(
-                [_event(e.name, e.timestamp, e.attributes, e.dropped_attributes) for e in events]
-            )
+    if isinstance(span, ReadableSpan):  # the SDK's Events
+        parts.extend(
+            [_event(e.name, e.timestamp, e.attributes, e.dropped_attributes) for e in span.events]
+        )
+    else:  # a LightSpan's: (name, timestamp, attributes)
+        parts.extend([_event(name, ts, attributes, 0) for name, ts, attributes in span.events])
     if span.dropped_events:
         parts.append(b"\x60" + _varint(span.dropped_events))
     for link in span.links:
@@ -250,8 +251,9 @@ def _span(span: AnySpan) -> bytes:
     if span.dropped_links:
         parts.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
-    code = status.status_code
-    if code is not _UNSET or status.description:
+    if status is UNSET_STATUS:
+        parts.append(_NO_STATUS)
+    elif (code := status.status_code) is not _UNSET or status.description:
         body = b""
         if status.description:
             body += _field(0x12, status.description.encode())
