@@ -97,6 +97,8 @@ def test_extract_from_http_headers(light: None) -> None:
         [("Host", "x"), ("Content-Type", "application/json")],
         [("Host", "x"), ("TraceParent", VALID)],
         [("traceparent", VALID), ("traceparent", f"00-{TRACE_ID}-{'1' * 16}-01")],
+        [("Host", "x"), ("BAGGAGE", "user=alice")],  # no traceparent: still read
+        [("TraceState", "a=b"), ("TRACEPARENT", VALID)],
     ):
         headers = CIMultiDictProxy(CIMultiDict(pairs))
         same_context(tracing.extract(headers), sdk_extract(headers))

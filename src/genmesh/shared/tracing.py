@@ -34,6 +34,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from multidict import CIMultiDict, CIMultiDictProxy
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -256,6 +257,8 @@ class HeaderGetter(Getter[Mapping[str, str]]):
 
 GETTER = HeaderGetter()
 
+# Header maps whose lookups ignore case (aiohttp's request headers).
+_CASE_INSENSITIVE = (CIMultiDictProxy, CIMultiDict)
 # The W3C fields of the default propagators (`tracecontext,baggage`).
 TRACEPARENT = "traceparent"
 W3C_FIELDS = frozenset((TRACEPARENT, "tracestate", "baggage"))
@@ -292,6 +295,10 @@ def extract(headers: Mapping[str, str] | None) -> Context:
     # What the default propagators would read, in one pass over the keys; anything beyond
     # a lone `traceparent` (tracestate, baggage, a second traceparent) goes to them.
     header = None
+    if isinstance(headers, _CASE_INSENSITIVE) and not (
+        TRACEPARENT in headers or "tracestate" in headers or "baggage" in headers
+    ):  # an HTTP request's headers, most without a context: three lookups, not a pass
+        return Context()
     if headers:
         for key in headers:
             low = key.lower()
