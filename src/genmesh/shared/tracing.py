@@ -271,7 +271,8 @@ _ZERO_SPAN_ID = "0" * 16
 # A traceparent's flags: read and written by table (2 hex digits).
 _TRACE_FLAGS = {f"{n:02x}": TraceFlags(n) for n in range(256)}
 _FLAGS_HEX = [f"-{n:02x}" for n in range(256)]
-_ids = struct.Struct(">QQQ").pack
+_id128 = struct.Struct(">QQ").pack
+_id64 = struct.Struct(">Q").pack
 _new_tuple = tuple.__new__
 _LOW64 = (1 << 64) - 1
 # The current context's baggage, read without `baggage.get_all`'s read-only copy.
@@ -335,7 +336,7 @@ def valid_span_context(
 ) -> SpanContext:
     """`SpanContext(...)` for ids already known to be valid (non-zero, 128 and 64 bits),
     built as its `__new__` builds it (a tuple, `is_valid` last) without that Python call
-    and its checks: a third of starting a span, or of reading a `traceparent`
+    and its checks: over a quarter of starting a span, or of reading a `traceparent`
     (`tests/unit/test_spans.py` checks that both make equal contexts)."""
     if trace_state is None:
         trace_state = DEFAULT_TRACE_STATE
@@ -346,11 +347,13 @@ def _traceparent(out: dict[str, str], span: SpanContext) -> None:
     """Write `span`'s context as the SDK's `tracecontext` propagator does."""
     if span == INVALID_SPAN_CONTEXT:
         return
-    # The ids' hex digits from their bytes: a third of the CPU of formatting a 128-bit
-    # int zero-padded (`f"{trace_id:032x}"`).
+    # The ids' hex digits from their bytes: two thirds of the CPU of formatting them as
+    # zero-padded ints (`f"{trace_id:032x}"`), one string built once.
     trace_id = span.trace_id
-    ids = _ids(trace_id >> 64, trace_id & _LOW64, span.span_id).hex()
-    out[TRACEPARENT] = "00-" + ids[:32] + "-" + ids[32:] + _FLAGS_HEX[span.trace_flags]
+    high, low = trace_id >> 64, trace_id & _LOW64
+    out[TRACEPARENT] = (
+        f"00-{_id128(high, low).hex()}-{_id64(span.span_id).hex()}{_FLAGS_HEX[span.trace_flags]}"
+    )
     if span.trace_state:
         out["tracestate"] = span.trace_state.to_header()
 
