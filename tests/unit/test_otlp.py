@@ -95,3 +95,19 @@ def test_repeated_attributes_encode_the_same_from_the_cache() -> None:
     spans = spans_of_every_shape()
     assert encode_spans(spans) == encode_spans(spans)
     assert encode_spans([]) == b""
+
+
+def test_lengths_at_every_varint_boundary_read_back_as_the_sdks() -> None:
+    # The fast paths (one-byte lengths, two-byte ones) against the SDK at their edges.
+    memory = InMemorySpanExporter()
+    tracer = provider(memory).get_tracer("genmesh")
+    span = tracer.start_span("edges")
+    for n in (0, 1, 60, 61, 62, 63, 64, 120, 121, 122, 123, 125, 126, 127, 128, 129, 200):
+        span.set_attribute("k" * (n % 7 + 1) + str(n), "v" * n)
+        span.set_attribute("é" * (n // 2), "é" * (n // 2))
+    span.add_event("e" * 120)
+    span.add_event("e" * 130, {"x": "y" * 130})
+    span.set_attribute("huge", "z" * 20_000)  # a span longer than two varint bytes hold
+    span.end()
+    spans = list(memory.get_finished_spans())
+    assert ExportTraceServiceRequest.FromString(encode_spans(spans)) == sdk_encode(spans)

@@ -62,6 +62,8 @@ HEADERS: list[dict[str, str] | None] = [
     {"traceparent": VALID},
     {"Traceparent": VALID, "genmesh-codec": "msgpack"},
     {"TRACEPARENT": f"00-{TRACE_ID}-{SPAN_ID}-00"},  # sampled out
+    {"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-ff"},  # every flag (read by table)
+    {"traceparent": f"00-{'f' * 32}-{'f' * 16}-01"},  # the largest ids
     {"traceparent": f"01-{TRACE_ID}-{SPAN_ID}-03-future-fields"},  # a later version
     {"traceparent": f"  {VALID}\t"},  # whitespace around
     {"traceparent": VALID + "\n"},
@@ -95,6 +97,8 @@ def test_extract_from_http_headers(light: None) -> None:
         [("Host", "x"), ("Content-Type", "application/json")],
         [("Host", "x"), ("TraceParent", VALID)],
         [("traceparent", VALID), ("traceparent", f"00-{TRACE_ID}-{'1' * 16}-01")],
+        [("Host", "x"), ("BAGGAGE", "user=alice")],  # no traceparent: still read
+        [("TraceState", "a=b"), ("TRACEPARENT", VALID)],
     ):
         headers = CIMultiDictProxy(CIMultiDict(pairs))
         same_context(tracing.extract(headers), sdk_extract(headers))
@@ -109,6 +113,9 @@ def span_with(state: TraceState | None = None, flags: int = 1) -> NonRecordingSp
 SPANS = [
     span_with(),
     span_with(flags=0),
+    span_with(flags=0xFF),
+    NonRecordingSpan(SpanContext((1 << 128) - 1, 1, False, TraceFlags(1))),  # ids' edges
+    NonRecordingSpan(SpanContext(1, (1 << 64) - 1, False, TraceFlags(1))),
     span_with(TraceState([("congo", "t61rcWkgMzE")])),
     NonRecordingSpan(trace.INVALID_SPAN_CONTEXT),
 ]

@@ -438,3 +438,19 @@ def test_the_default_sampler_is_decided_inline(monkeypatch: pytest.MonkeyPatch) 
     )
     assert not is_parent_based_always_on(ALWAYS_ON)
     assert not is_parent_based_always_on(ParentBasedTraceIdRatio(1.0))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (1, 1, False, TraceFlags(0), None),
+        ((1 << 128) - 1, (1 << 64) - 1, True, TraceFlags(3), None),
+        (5, 7, True, TraceFlags(1), TraceState([("vendor", "x")])),
+    ],
+)
+def test_a_valid_span_context_is_the_apis(args: tuple[Any, ...]) -> None:
+    ours, theirs = tracing.valid_span_context(*args), SpanContext(*args)
+    assert type(ours) is SpanContext
+    assert ours == theirs
+    assert ours.is_valid
+    assert ours.trace_state == theirs.trace_state

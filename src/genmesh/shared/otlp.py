@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
@@ -47,13 +48,21 @@ _fixed64 = struct.Struct("<Q").pack
 _double = struct.Struct("<d").pack
 _ids = struct.Struct(">QQ").pack
 _id64 = struct.Struct(">Q").pack
+_u16 = struct.Struct("<H").pack
+# Building bytes costs more than it looks (`bytes((n,))` alone is ~1,200 instructions of
+# CPython, a concatenation ~600): one-byte values come from tables, and a field is put
+# together in as few operations as it can be.
+_SHORT = [bytes((n,)) for n in range(128)]  # one-byte varints (most lengths), and tags
+_TAG = _SHORT
 
 
 def _varint(n: int) -> bytes:
     if n < 0:
         n += 1 << 64  # int64: two's complement, ten bytes
     if n < 0x80:
-        return bytes((n,))
+        return _SHORT[n]
+    if n < 0x4000:  # two bytes (a span's length): low seven bits first, continuation set
+        return _u16(((n >> 7) << 8) | (n & 0x7F) | 0x80)
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -62,14 +71,10 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-# Most lengths are below 128: a one-byte varint, from this table.
-_SHORT = [bytes((n,)) for n in range(128)]
-
-
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (`tag` is the field number shifted, wire type 2 added)."""
     n = len(payload)
-    return bytes((tag,)) + (_SHORT[n] if n < 128 else _varint(n)) + payload
+    return _TAG[tag] + (_SHORT[n] if n < 128 else _varint(n)) + payload
 
 
 def _value(value: Any) -> bytes:
@@ -93,6 +98,26 @@ def _value(value: Any) -> bytes:
 
 def _encode_pair(key: str, value: Any) -> bytes:
     """A KeyValue's length and body (its tag is the caller's)."""
+    if type(value) is str:  # most, and every value unique to a request (its ids): one join
+        k = key.encode()
+        v = value.encode()
+        nk = len(k)
+        nv = len(v)
+        if nk + nv < 122:  # every length below 128: one byte each
+            # length, key (0x0A), value (0x12: an AnyValue of a string_value, 0x0A)
+            return b"".join(
+                (
+                    _SHORT[nk + nv + 6],
+                    b"\x0a",
+                    _SHORT[nk],
+                    k,
+                    b"\x12",
+                    _SHORT[nv + 2],
+                    b"\x0a",
+                    _SHORT[nv],
+                    v,
+                )
+            )
     body = _field(0x0A, key.encode()) + _field(0x12, _value(value))
     n = len(body)
     return (_SHORT[n] if n < 128 else _varint(n)) + body
@@ -102,7 +127,6 @@ def _encode_pair(key: str, value: Any) -> bytes:
 # counts): their encoding by (name, value), `typed` so that True, 1 and 1.0 differ. Least
 # recently used first out, so unique values (request ids) cannot grow it without bound.
 _pair = functools.lru_cache(maxsize=4096, typed=True)(_encode_pair)
-_TAG = [bytes((n,)) for n in range(128)]
 
 
 def _attributes(tag: int, attributes: Mapping[str, Any] | None) -> bytes:
@@ -138,6 +162,9 @@ _FLAGS_FIELD = {
 }
 _NO_STATUS = b"\x7a\x00"
 _UNSET = StatusCode.UNSET
+# The status of every span that has none set (a LightSpan's default): written without
+# reading its two properties.
+UNSET_STATUS = Status(_UNSET)
 # Span and event names repeat: their encoded fields, by tag and name (cleared when full).
 _names: dict[tuple[int, str], bytes] = {}
 _MAX_NAMES = 4096
@@ -153,6 +180,30 @@ def _name(tag: int, name: str) -> bytes:
     return encoded
 
 
+def _event(name: str, timestamp: int, attributes: Mapping[str, Any] | None, dropped: int) -> bytes:
+    """A Span.Event field (tag included)."""
+    if not attributes and not dropped:  # a bare event: all but its time is the name's
+        head, tail = _bare_event(name)
+        return head + _fixed64(timestamp) + tail
+    body = b"\x09" + _fixed64(timestamp) + _name(0x12, name) + _attributes(0x1A, attributes)
+    if dropped:
+        body += b"\x20" + _varint(dropped)
+    return _field(0x5A, body)
+
+
+@functools.lru_cache(maxsize=256)
+def _bare_event(name: str) -> tuple[bytes, bytes]:
+    """An event without attributes, but for its time: its tag and length up to the time
+    field's tag; its name field after the time."""
+    tail = _field(0x12, name.encode())
+    n = 9 + len(tail)
+    return b"\x5a" + (_SHORT[n] if n < 128 else _varint(n)) + b"\x09", tail
+
+
+# The empty TraceState every SpanContext without one shares: no `len()` (a Python call).
+_NO_TRACE_STATE = DEFAULT_TRACE_STATE
+
+
 def _span(span: AnySpan) -> bytes:
     context = span.get_span_context()
     assert context is not None  # an SDK span always has one
@@ -160,12 +211,11 @@ def _span(span: AnySpan) -> bytes:
     parts = [
         _head(
             b"\x0a\x10", trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, b"\x12\x08", context.span_id
-        )
+        ),
     ]
-    if context.trace_state:
-        parts.append(
-            _field(0x1A, ",".join(f"{k}={v}" for k, v in context.trace_state.items()).encode())
-        )
+    trace_state = context.trace_state
+    if trace_state is not _NO_TRACE_STATE and trace_state:
+        parts.append(_field(0x1A, ",".join(f"{k}={v}" for k, v in trace_state.items()).encode()))
     parent = span.parent
     flags = _HAS_IS_REMOTE
     if parent is not None:
@@ -179,19 +229,12 @@ def _span(span: AnySpan) -> bytes:
     parts.append(_attributes(0x4A, getattr(span, "_attributes", None) or span.attributes))
     if span.dropped_attributes:
         parts.append(b"\x50" + _varint(span.dropped_attributes))
-    for event in span.events:
-        if isinstance(event, tuple):  # a LightSpan's: (name, timestamp, attributes)
-            name, timestamp, attributes = event
-            dropped = 0
-        else:  # the SDK's Event
-            name, timestamp = event.name, event.timestamp
-            attributes, dropped = event.attributes, event.dropped_attributes
-        body = b"\x09" + _fixed64(timestamp) + _name(0x12, name)
-        if attributes:
-            body += _attributes(0x1A, attributes)
-        if dropped:
-            body += b"\x20" + _varint(dropped)
-        parts.append(_field(0x5A, body))
+    if isinstance(span, ReadableSpan):  # the SDK's Events
+        parts.extend(
+            [_event(e.name, e.timestamp, e.attributes, e.dropped_attributes) for e in span.events]
+        )
+    else:  # a LightSpan's: (name, timestamp, attributes)
+        parts.extend([_event(name, ts, attributes, 0) for name, ts, attributes in span.events])
     if span.dropped_events:
         parts.append(b"\x60" + _varint(span.dropped_events))
     for link in span.links:
@@ -208,8 +251,9 @@ def _span(span: AnySpan) -> bytes:
     if span.dropped_links:
         parts.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
-    code = status.status_code
-    if code is not _UNSET or status.description:
+    if status is UNSET_STATUS:
+        parts.append(_NO_STATUS)
+    elif (code := status.status_code) is not _UNSET or status.description:
         body = b""
         if status.description:
             body += _field(0x12, status.description.encode())

@@ -62,12 +62,12 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util import types
 
-from genmesh.shared.otlp import OTLPExporter, encode_span
+from genmesh.shared.otlp import UNSET_STATUS, OTLPExporter, encode_span
+from genmesh.shared.tracing import valid_span_context
 
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 128  # the SDK's default OTEL_SPAN_EVENT_COUNT_LIMIT
-_UNSET = Status(StatusCode.UNSET)
 # Every combination of the two flags the SDK sets: sampled, and "the trace id is random"
 # (its RandomIdGenerator's ids are, so a root span says so and a child inherits it).
 _FLAGS = [TraceFlags(n) for n in range(4)]
@@ -134,7 +134,7 @@ class LightSpan(trace.Span):
         self.end_time: int | None = None
         self.events: list[tuple[str, int, Mapping[str, Any] | None]] = []
         self.dropped_events = 0
-        self.status = _UNSET
+        self.status = UNSET_STATUS
 
     @property
     def resource(self) -> Resource:
@@ -306,12 +306,8 @@ class LightTracer(trace.Tracer):
         span_id = _getrandbits(64)
         while span_id == INVALID_SPAN_ID:
             span_id = _getrandbits(64)
-        span_context = SpanContext(
-            trace_id,
-            span_id,
-            is_remote=False,
-            trace_flags=_FLAGS[random_id | (_SAMPLED if sampled else 0)],
-            trace_state=trace_state,
+        span_context = valid_span_context(
+            trace_id, span_id, False, _FLAGS[random_id | (_SAMPLED if sampled else 0)], trace_state
         )
         if not recording:
             return NonRecordingSpan(span_context)

@@ -29,10 +29,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import struct
 import sys
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from multidict import CIMultiDict, CIMultiDictProxy
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -48,8 +50,10 @@ from opentelemetry.trace import (
     StatusCode,
     TraceFlags,
     Tracer,
+    TraceState,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from genmesh import __version__
 from genmesh.shared import frames
@@ -255,6 +259,8 @@ class HeaderGetter(Getter[Mapping[str, str]]):
 
 GETTER = HeaderGetter()
 
+# Header maps whose lookups ignore case (aiohttp's request headers).
+_CASE_INSENSITIVE = (CIMultiDictProxy, CIMultiDict)
 # The W3C fields of the default propagators (`tracecontext,baggage`).
 TRACEPARENT = "traceparent"
 W3C_FIELDS = frozenset((TRACEPARENT, "tracestate", "baggage"))
@@ -264,6 +270,15 @@ _TRACEPARENT_RE = TraceContextTextMapPropagator._TRACEPARENT_HEADER_FORMAT_RE
 _TRACEPARENT_MAX = TraceContextTextMapPropagator._TRACEPARENT_MAXIMUM_LENGTH
 _ZERO_TRACE_ID = "0" * 32
 _ZERO_SPAN_ID = "0" * 16
+# A traceparent's flags: read and written by table (2 hex digits).
+_TRACE_FLAGS = {f"{n:02x}": TraceFlags(n) for n in range(256)}
+_FLAGS_HEX = [f"-{n:02x}" for n in range(256)]
+_id128 = struct.Struct(">QQ").pack
+_id64 = struct.Struct(">Q").pack
+_new_tuple = tuple.__new__
+_LOW64 = (1 << 64) - 1
+# The current context's baggage, read without `baggage.get_all`'s read-only copy.
+_BAGGAGE_KEY = baggage._BAGGAGE_KEY
 
 
 def _is_w3c_default(textmap: TextMapPropagator) -> bool:
@@ -283,6 +298,10 @@ def extract(headers: Mapping[str, str] | None) -> Context:
     # What the default propagators would read, in one pass over the keys; anything beyond
     # a lone `traceparent` (tracestate, baggage, a second traceparent) goes to them.
     header = None
+    if isinstance(headers, _CASE_INSENSITIVE) and not (
+        TRACEPARENT in headers or "tracestate" in headers or "baggage" in headers
+    ):  # an HTTP request's headers, most without a context: three lookups, not a pass
+        return Context()
     if headers:
         for key in headers:
             low = key.lower()
@@ -305,15 +324,38 @@ def extract(headers: Mapping[str, str] | None) -> Context:
         or (version == "00" and rest)
     ):
         return Context()
-    remote = SpanContext(int(trace_id, 16), int(span_id, 16), True, TraceFlags(int(flags, 16)))
+    # Valid by the checks above: 32 and 16 hex digits, not all zero.
+    remote = valid_span_context(int(trace_id, 16), int(span_id, 16), True, _TRACE_FLAGS[flags])
     return trace.set_span_in_context(NonRecordingSpan(remote), Context())
+
+
+def valid_span_context(
+    trace_id: int,
+    span_id: int,
+    is_remote: bool,
+    trace_flags: TraceFlags,
+    trace_state: TraceState | None = None,
+) -> SpanContext:
+    """`SpanContext(...)` for ids already known to be valid (non-zero, 128 and 64 bits),
+    built as its `__new__` builds it (a tuple, `is_valid` last) without that Python call
+    and its checks: over a quarter of starting a span, or of reading a `traceparent`
+    (`tests/unit/test_spans.py` checks that both make equal contexts)."""
+    if trace_state is None:
+        trace_state = DEFAULT_TRACE_STATE
+    return _new_tuple(SpanContext, (trace_id, span_id, is_remote, trace_flags, trace_state, True))
 
 
 def _traceparent(out: dict[str, str], span: SpanContext) -> None:
     """Write `span`'s context as the SDK's `tracecontext` propagator does."""
     if span == INVALID_SPAN_CONTEXT:
         return
-    out[TRACEPARENT] = f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.trace_flags:02x}"
+    # The ids' hex digits from their bytes: two thirds of the CPU of formatting them as
+    # zero-padded ints (`f"{trace_id:032x}"`), one string built once.
+    trace_id = span.trace_id
+    high, low = trace_id >> 64, trace_id & _LOW64
+    out[TRACEPARENT] = (
+        f"00-{_id128(high, low).hex()}-{_id64(span.span_id).hex()}{_FLAGS_HEX[span.trace_flags]}"
+    )
     if span.trace_state:
         out["tracestate"] = span.trace_state.to_header()
 
@@ -323,7 +365,7 @@ def inject(
 ) -> dict[str, str]:
     """A copy of `headers` carrying `span`'s context (`traceparent`, and `tracestate` and
     `baggage` of `parent`), replacing those keys in whatever case they came."""
-    if _w3c and not baggage.get_all(parent):
+    if _w3c and not otel_context.get_value(_BAGGAGE_KEY, parent):
         out = {k: v for k, v in headers.items() if k.lower() not in W3C_FIELDS} if headers else {}
         _traceparent(out, span.get_span_context())
         return out
@@ -339,7 +381,7 @@ def inject_current(headers: dict[str, str]) -> dict[str, str]:
     if _tracer is None:
         return headers
     out = dict(headers)
-    if _w3c and not baggage.get_all():
+    if _w3c and not otel_context.get_value(_BAGGAGE_KEY):
         _traceparent(out, trace.get_current_span().get_span_context())
     else:
         propagate.inject(out)
