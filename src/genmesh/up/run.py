@@ -75,6 +75,7 @@ def frontend_configs(config: UpConfig, mesh: MeshConnection) -> list[tuple[str, 
         mesh=mesh,
         auth=config.auth,
         router_policy=config.router.policy,
+        kv=config.router.kv,
         api_key=None,
         admin_api_key=None,
     )

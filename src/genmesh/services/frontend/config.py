@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
 from genmesh.records.config import RecordsConfig
-from genmesh.routing.policies import POLICY_OPTION
+from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.settings import group, non_negative_float, option, reuse
@@ -40,6 +40,7 @@ class FrontendConfig:
         "needed), or the router processes",
     )
     router_policy: str = reuse(POLICY_OPTION)
+    kv: KvConfig = group(KvConfig(), title="kv policy (with --routing frontend)")
     model: str = option("genmesh-mock", help="model name reported before any worker is known")
     body_limit_mb: float = option(32.0, help="largest request body")
     ack_timeout_s: float = option(

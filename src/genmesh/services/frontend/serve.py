@@ -15,6 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.routing.choice import Chooser
+from genmesh.routing.kv_feed import kv_subscriber
 from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.config import FrontendConfig
@@ -86,7 +87,7 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         directory = WorkerDirectory(nc, subjects)
         router = None
         if config.routing == "frontend":
-            router = Chooser(directory, make_policy(config.router_policy))
+            router = Chooser(directory, make_policy(config.router_policy, config.kv))
         client = MeshClient(
             nc,
             namespace,
@@ -106,6 +107,10 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         resources.push_async_callback(backend.close)
         await client.start()
         await directory.start()
+        kv = None if router is None else kv_subscriber(router.policy, nc, subjects, directory)
+        if kv is not None:
+            await kv.start()
+            resources.push_async_callback(kv.close)  # before the connection closes
         state = FrontendState(
             backend=backend,
             namespace=namespace,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genmesh.routing.policies import POLICY_OPTION
+from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_router_id
@@ -22,4 +22,5 @@ class RouterConfig:
         default_factory=new_router_id, help="router id (a subject token); random if unset"
     )
     policy: str = reuse(POLICY_OPTION)
+    kv: KvConfig = group(KvConfig(), title="kv policy")
     metrics: MetricsConfig = group(MetricsConfig())

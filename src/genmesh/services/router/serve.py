@@ -32,7 +32,11 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
         )
         stack.push_async_callback(drain_or_close, nc)
         router = Router(
-            nc, Subjects(config.mesh.namespace), policy=config.policy, router_id=config.router_id
+            nc,
+            Subjects(config.mesh.namespace),
+            policy=config.policy,
+            kv=config.kv,
+            router_id=config.router_id,
         )
         await stack.enter_async_context(
             serving_metrics(config.metrics, lambda: router_registry(router))
