@@ -351,3 +351,15 @@ async def test_a_worker_dropped_mid_resync_is_forgotten() -> None:
     assert index.overlaps(keys(A)) == {}
     assert sequencer.last_applied("w1") == 0
     await sequencer.close()
+
+
+def test_a_prediction_holds_no_more_than_the_workers_cache() -> None:
+    cache = PredictedCache(ttl=10.0, clock=Clock())
+    cache.record("w1", keys(A), capacity=5)
+    cache.record("w1", keys(B), capacity=5)  # A's first two are B's: refreshed, not added
+    assert cache.overlaps(keys(B)) == {"w1": 4}
+    assert cache.overlaps(keys(A)) == {"w1": 2}  # A's third, least recently routed, went
+    cache.record("w1", keys(A[:4]), capacity=3)  # B's last two and the first are left
+    assert cache.overlaps(keys(A)) == {"w1": 1}
+    assert cache.overlaps(keys(B)) == {"w1": 1}
+    assert cache.keys_held == 3

@@ -17,7 +17,7 @@ from genmesh.shared.discovery import WorkerInfo
 from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import TokenIds
 from genmesh.shared.errors import ErrorCode, MeshError
-from genmesh.shared.kv_events import BlockStored
+from genmesh.shared.kv_events import BlockStored, block_keys
 from tests.unit.test_routing import directory
 
 pytestmark = pytest.mark.unit
@@ -141,6 +141,19 @@ def test_without_events_a_prefix_follows_where_it_was_routed_for_the_ttl() -> No
     assert choose(policy, a, b) == "b"
     clock.now = 200.0
     assert choose(policy, a, b) == "a"  # expired everywhere: a tie, the lower id
+
+
+def test_a_prediction_is_bounded_by_the_workers_cache_size() -> None:
+    policy = kv()
+    small = worker("a", events=False)
+    small.engine_info = EngineInfo(model="m", block_size=BS, max_total_num_tokens=6 * BS)
+    assert choose(policy, small) == "a"
+    assert policy.predicted.keys_held == 6  # of the prompt's 8 blocks
+    assert policy.predicted.overlaps(policy_keys(PROMPT)) == {}  # its first two went
+
+
+def policy_keys(tokens: list[int]) -> list[int]:
+    return block_keys(TokenIds(tokens), BS)
 
 
 def test_workers_with_events_are_never_predicted() -> None:

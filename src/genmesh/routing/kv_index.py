@@ -218,8 +218,10 @@ class PredictedCache(BlockHolders):
     """The caches of workers without KV events, predicted from what was routed to them:
     a prompt's blocks are taken to stay in the cache of the worker it went to for `ttl`
     seconds after it was last routed there (Dynamo's `--no-kv-events` mode with its
-    `--router-ttl`; the SGLang router's approximate radix tree). Expired entries leave
-    lazily, oldest first, whenever the cache is used."""
+    `--router-ttl`; the SGLang router's approximate radix tree), and, when the worker's
+    cache size is known, only as many as it holds, least recently routed out first (as
+    the engines evict). Expired entries leave lazily, oldest first, whenever the cache is
+    used."""
 
     def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -228,8 +230,9 @@ class PredictedCache(BlockHolders):
         # Per worker, key -> expiry, in expiry order (every entry lives `ttl`).
         self._expiry: dict[str, OrderedDict[int, float]] = {}
 
-    def record(self, worker: str, keys: Iterable[int]) -> None:
-        """`keys` were routed to `worker` now."""
+    def record(self, worker: str, keys: Iterable[int], capacity: int | None = None) -> None:
+        """`keys` were routed to `worker` now, whose cache holds `capacity` blocks (None:
+        unknown)."""
         now = self.clock()
         self.expire(now)
         entries = self._expiry.get(worker)
@@ -243,6 +246,9 @@ class PredictedCache(BlockHolders):
             else:
                 self._hold(bit, key)
             entries[key] = until
+        # In expiry order, which is also the order they were last routed in.
+        while capacity is not None and len(entries) > capacity:
+            self._release(bit, entries.popitem(last=False)[0])
 
     def overlaps(self, keys: Sequence[int]) -> dict[str, int]:
         self.expire(self.clock())

@@ -70,7 +70,8 @@ class KvPolicy:
         self.predicted.drop(worker)
 
     def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
-        keys = request_block_keys(envelope, block_size(workers))
+        size = block_size(workers)
+        keys = request_block_keys(envelope, size)
         with_events = [self.uses_events(w) for w in workers]
         from_events = self.index.overlaps(keys) if any(with_events) else {}
         predicted = self.predicted.overlaps(keys) if not all(with_events) else {}
@@ -83,7 +84,9 @@ class KvPolicy:
         ]
         chosen = self._pick(workers, costs)
         if not self.uses_events(chosen):
-            self.predicted.record(chosen.id, keys)
+            info = chosen.engine_info
+            tokens = None if info is None else info.max_total_num_tokens
+            self.predicted.record(chosen.id, keys, None if tokens is None else tokens // size)
         return chosen
 
     def _pick(self, workers: list[WorkerInfo], costs: list[float]) -> WorkerInfo:
