@@ -31,10 +31,10 @@ DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 256}
 GAMMA_PREFERRED = '{"temperature": 0.3, "top_k": 20}'
 
 
-def mock_worker(model: str, context: int, kv_tokens: int | None = None) -> tuple[str, ...]:
+def mock_worker(model: str, context: int, kv_blocks: int | None = None) -> tuple[str, ...]:
     args = ["--mock-model", model, "--mock-max-model-len", str(context)]
-    if kv_tokens is not None:
-        args += ["--mock-kv-capacity-tokens", str(kv_tokens), "--mock-block-size", "32"]
+    if kv_blocks is not None:
+        args += ["--mock-kv-blocks", str(kv_blocks), "--mock-block-size", "32"]
         args += ["--mock-sampling-defaults", json.dumps(DEFAULTS)]
     return tuple(args)
 
@@ -50,8 +50,8 @@ def info_mesh(nats_url: str) -> Iterator[InProcessMesh]:
             *("--block-size", "64", "--preferred-sampling-params", GAMMA_PREFERRED),
         )
         ids = [
-            mesh.add_worker("wa", wait=False, extra_args=mock_worker("alpha", 4096, 100_000)).name,
-            mesh.add_worker("wb", wait=False, extra_args=mock_worker("alpha", 2048, 50_000)).name,
+            mesh.add_worker("wa", wait=False, extra_args=mock_worker("alpha", 4096, 3125)).name,
+            mesh.add_worker("wb", wait=False, extra_args=mock_worker("alpha", 2048, 1500)).name,
             mesh.add_worker("wc", wait=False, extra_args=mock_worker("beta", 1024)).name,
             mesh.add_worker("wg", wait=False, engine="sglang", engine_url=sglang_url).name,
         ]
@@ -79,7 +79,7 @@ async def test_server_info_reports_the_tightest_limits_of_the_first_model(
     assert info["model_path"] == "alpha"
     # wb's context and pool are the smaller: a request must fit whichever worker runs it.
     assert info["context_length"] == 2048
-    assert info["max_total_num_tokens"] == 50_000
+    assert info["max_total_num_tokens"] == 48_000  # 1500 blocks of 32
     # SGLang's scheduler: min(context - 1, pool - 1) - 5.
     assert info["max_req_input_len"] == 2047 - 5
     assert info["page_size"] == 32
@@ -162,7 +162,7 @@ async def test_a_card_with_malformed_engine_info_keeps_its_worker(
     info = await get(info_mesh, "/get_server_info")
     # alpha's, as before: the odd cards neither add a limit nor take a stated one away.
     assert info["context_length"] == 2048
-    assert info["max_total_num_tokens"] == 50_000
+    assert info["max_total_num_tokens"] == 48_000  # 1500 blocks of 32
     assert info["page_size"] == 32
     assert json.loads(info["preferred_sampling_params"]) == DEFAULTS
     listing = await get(info_mesh, "/v1/models")

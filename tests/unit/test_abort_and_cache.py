@@ -1,4 +1,4 @@
-"""Abort orders, the mock's prefix cache, and the mock engine's abort and flush."""
+"""Abort orders, and the mock engine's abort and flush (its cache: test_block_pool.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 from genmesh.client import request
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.mock import MockConfig, MockEngine
-from genmesh.engines.prefix_cache import PrefixCache
 from genmesh.services.frontend.local import LocalBackend
 from genmesh.shared.abort import AbortOrder
 from genmesh.shared.envelope import Envelope
@@ -54,33 +53,6 @@ def test_matching_rules() -> None:
     assert not prefix.hits(env(None))  # nothing to match
     everything = AbortOrder((), "all")
     assert everything.hits(env(None, "vllm"))
-
-
-# ------------------------------------------------------------------ the prefix cache
-
-
-def test_prefix_cache_counts_whole_blocks_behind_the_same_prefix() -> None:
-    cache = PrefixCache(block_size=4, capacity_tokens=64)
-    prompt = list(range(10))
-    assert cache.lookup(prompt) == 0
-    cache.insert(prompt)  # blocks [0..3], [4..7]; the tail 8, 9 is no whole block
-    assert cache.lookup(prompt) == 8
-    assert cache.lookup(list(range(8))) == 4  # cached whole: one block is computed again
-    assert cache.lookup([0, 1, 2, 3, 99, 5, 6, 7, 8]) == 4  # diverges in the 2nd block
-    assert cache.lookup([9, 1, 2, 3, 4, 5, 6, 7, 8]) == 0  # same 2nd block, other prefix
-    cache.clear()
-    assert cache.lookup(prompt) == 0
-
-
-def test_prefix_cache_evicts_the_least_recently_used_blocks() -> None:
-    cache = PrefixCache(block_size=2, capacity_tokens=4)  # two blocks
-    cache.insert([1, 2, 3])
-    cache.insert([5, 6, 7])
-    assert len(cache) == 2
-    assert cache.lookup([1, 2, 9]) == 2  # touched: now the most recent
-    cache.insert([8, 9, 9])
-    assert cache.lookup([1, 2, 9]) == 2
-    assert cache.lookup([5, 6, 9]) == 0  # evicted
 
 
 # ------------------------------------------------------------------ the mock engine

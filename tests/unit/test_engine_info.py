@@ -76,7 +76,7 @@ def test_the_mock_advertises_its_limits() -> None:
     info = EngineInfo.from_wire(MockEngine(config).describe()["engine_info"])
     assert info is not None
     assert (info.model, info.context_length) == (config.model, 1000)
-    assert info.max_total_num_tokens == config.kv_capacity_tokens
+    assert info.max_total_num_tokens == 1_048_576  # unset --mock-kv-blocks: as always
     assert info.sampling_defaults == {"temperature": 0.7}
     assert (info.vocab_size, info.max_logprobs) == (config.vocab_size, 20)
 
@@ -110,14 +110,14 @@ def test_the_mock_takes_its_advertised_facts_from_the_command_line() -> None:
     config = parse(
         MockConfig,
         [
-            *("--mock-kv-capacity-tokens", "5000", "--mock-block-size", "64"),
+            *("--mock-kv-blocks", "80", "--mock-block-size", "64"),
             *("--mock-sampling-defaults", '{"temperature": 0.6, "top_k": 20}'),
         ],
         environ={},
     )
     info = EngineInfo.from_wire(MockEngine(config).describe()["engine_info"])
     assert info is not None
-    assert (info.max_total_num_tokens, info.block_size) == (5000, 64)
+    assert (info.max_total_num_tokens, info.block_size) == (80 * 64, 64)
     assert info.sampling_defaults == {"temperature": 0.6, "top_k": 20}
 
 

@@ -22,13 +22,14 @@ from typing import Any
 from genmesh import __version__
 from genmesh.codecs.int32 import all_below, to_le_bytes
 from genmesh.engines.base import EngineOutput, usage
+from genmesh.engines.kv_feed import KvEventFeed
 from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
-from genmesh.engines.prefix_cache import PrefixCache
+from genmesh.engines.prefix_cache import BlockPool, RequestBlocks
 from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
-from genmesh.shared.kv_events import KvEventBatch
+from genmesh.shared.kv_events import KvEventBatch, request_extra_keys
 from genmesh.shared.settings import non_negative_float, option, positive_int
 
 _MASK = (1 << 64) - 1
@@ -36,6 +37,8 @@ _MASK = (1 << 64) - 1
 MAX_TOP_LOGPROBS = 20
 # Tokens the instant mock (speed-up 0) makes per scheduling point, as one output.
 MOCK_CHUNK_TOKENS = 32
+# The KV capacity the mock advertises when --mock-kv-blocks is unset.
+DEFAULT_KV_TOKENS = 1_048_576
 _GUIDED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "structured_outputs")
 
 
@@ -201,14 +204,17 @@ class MockConfig:
     # What the card's engine_info advertises besides the context length: the KV cache's
     # capacity and block size, and the defaults for unset sampling parameters (as a
     # model's generation config gives them, by generation-config name).
-    kv_capacity_tokens: int = option(
-        1_048_576,
-        flag="--mock-kv-capacity-tokens",
-        parse=positive_int,
-        help="tokens the mock's KV cache holds (advertised as max_total_num_tokens)",
-    )
     block_size: int = option(
         16, flag="--mock-block-size", parse=positive_int, help="mock KV block (page) size"
+    )
+    # The one setting of the KV cache's size, in blocks as vLLM's is (`num_gpu_blocks`);
+    # unset, the mock advertises 1,048,576 tokens whatever its block size.
+    kv_blocks: int | None = option(
+        None,
+        flag="--mock-kv-blocks",
+        parse=positive_int,
+        help="blocks of the mock's KV cache (max_total_num_tokens = blocks x block size); "
+        "giving it turns the prefix cache on; unset: 1048576 tokens' worth, cache off",
     )
     sampling_defaults: SamplingDefaults = option(
         (),
@@ -226,18 +232,27 @@ class MockConfig:
         parse=non_negative_float,
         help="mock engine speed-up over its timing model; 0 = instant",
     )
-    # A prefix cache (blocks of `block_size`, LRU within `kv_capacity_tokens`) that
-    # `cached_tokens` reports and a flush empties. Off by default: then what the mock
-    # answers is a pure function of the request, whatever ran before on the worker.
+    # A paged prefix cache (engines/prefix_cache.py) that `cached_tokens` reports, a
+    # flush empties and KV events announce (`kv_events`). Off by default: then what the
+    # mock answers is a pure function of the request, whatever ran before on the worker.
     prefix_cache: bool = option(
         False,
         flag="--mock-prefix-cache",
-        help="give the mock a prefix cache (reported as cached_tokens; emptied by a flush)",
+        help="give the mock a prefix cache (reported as cached_tokens, published as KV "
+        "events, emptied by a flush); --mock-kv-blocks turns it on too",
     )
     # The shape of the routed-expert rows it reports.
     moe_layers: int = 4
     moe_top_k: int = 2
     moe_experts: int = 16
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return self.kv_blocks or max(DEFAULT_KV_TOKENS // self.block_size, 1)
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_cache or self.kv_blocks is not None
 
 
 class MockEngine:
@@ -256,9 +271,14 @@ class MockEngine:
             self.config.moe_layers, self.config.moe_top_k, self.config.moe_experts
         )
         self._active_kv_tokens = 0
+        self._kv_feed = KvEventFeed()
         self.cache = (
-            PrefixCache(self.config.block_size, self.config.kv_capacity_tokens)
-            if self.config.prefix_cache
+            BlockPool(
+                self.config.kv_capacity_blocks,
+                self.config.block_size,
+                on_pending=self._kv_feed.pending,
+            )
+            if self.config.caches_prefixes
             else None
         )
         # Every generation in progress (by envelope id), with the flag that aborts it.
@@ -293,7 +313,9 @@ class MockEngine:
             self.cache.clear()
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
-        return None
+        """The cache's events as vLLM publishes them with --kv-events-config: one batch
+        per step (kv_feed.py); None without a cache."""
+        return self._kv_feed.subscribe() if self.cache is not None else None
 
     def describe(self) -> dict[str, Any]:
         c = self.config
@@ -306,7 +328,7 @@ class MockEngine:
             "engine_info": EngineInfo(
                 model=c.model,
                 context_length=c.max_model_len,
-                max_total_num_tokens=c.kv_capacity_tokens,
+                max_total_num_tokens=c.kv_capacity_blocks * c.block_size,
                 block_size=c.block_size,
                 sampling_defaults=dict(c.sampling_defaults),
                 engine_version=f"genmesh-mock-{__version__}",
@@ -437,18 +459,20 @@ class MockEngine:
             if experts_from is not None and i >= experts_from:
                 rows.append(self.experts.row(state))
 
-        cached = self.cache.lookup(prompt) if self.cache is not None else 0
+        blocks: RequestBlocks | None = None
+        if self.cache is not None:
+            blocks = self.cache.open(prompt, request_extra_keys(env))
+        cached = blocks.cached_tokens if blocks is not None else 0
         aborted = self._running.setdefault(env.id, asyncio.Event())
         kv = len(prompt)
         self._active_kv_tokens += kv
-        output: list[int] = []
         try:
             if self.config.speedup > 0:
                 # (An instant prefill is no scheduling point: the first token comes in the
                 # request's first step, and goes out with the worker's ack.)
                 await self._sleep_ms(prefill_ms(len(prompt) - cached))
-            if self.cache is not None:
-                self.cache.insert(prompt)
+            if blocks is not None:
+                blocks.prefilled()
             first = EngineOutput(tokens=[], cached_tokens=cached)
             if start is not None:
                 first.prompt_logprobs = prompt_lps
@@ -477,14 +501,20 @@ class MockEngine:
             for n in range(budget):
                 if n and (n - 1) % chunk == 0:
                     if out.tokens:
+                        if blocks is not None:
+                            blocks.extend(out.tokens)
                         yield out
                         out = EngineOutput(tokens=[])
-                    kv_fraction = self._active_kv_tokens / self.config.kv_capacity_tokens
+                    kv_fraction = self._active_kv_tokens / (
+                        self.config.kv_capacity_blocks * self.config.block_size
+                    )
                     await self._sleep_ms(decode_step_ms(kv_fraction))
                 if aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
                     out.finish = {"reason": "abort", "message": "Aborted"}
                     out.usage = usage(len(prompt), n, cached)
+                    if blocks is not None:
+                        blocks.extend(out.tokens)
                     yield out
                     return
                 step: BiasedStep | None = None
@@ -535,7 +565,6 @@ class MockEngine:
                     # The previous token's forward pass; the last token never gets one.
                     expert_rows.append(self.experts.row(state))
                 state = advance(state, token)
-                output.append(token)
                 self._active_kv_tokens += 1
                 kv += 1
                 finish: Finish | None = None
@@ -548,12 +577,14 @@ class MockEngine:
                 if finish is not None:
                     out.finish = finish
                     out.usage = usage(len(prompt), n + 1, cached)
+                    if blocks is not None:
+                        blocks.extend(out.tokens)
                     yield out
                     return
         finally:
             self._active_kv_tokens -= kv
             if self._running.get(env.id) is aborted:
                 del self._running[env.id]
-            if self.cache is not None and output:
-                # The finished sequence stays cached, as a radix cache keeps it.
-                self.cache.insert(prompt + output)
+            if blocks is not None:
+                # What it cached stays cached, free to be evicted.
+                blocks.release()

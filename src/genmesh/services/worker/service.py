@@ -29,6 +29,7 @@ from genmesh.engines.execute import execute
 from genmesh.services.worker import tracing as worker_tracing
 from genmesh.services.worker.admin import ABORTED, AdminHandlers, abort_end_frame
 from genmesh.services.worker.config import WorkerConfig
+from genmesh.services.worker.kv_relay import KvRelay
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
@@ -108,6 +109,8 @@ class Worker(Service):
         self.aborts = 0
         self.engine_errors: Counter[str] = Counter()
         self.admin = AdminHandlers(self)
+        # Relays the engine's KV cache events, if it publishes any (from start()).
+        self.kv_relay: KvRelay | None = None
 
     @property
     def worker_id(self) -> str:
@@ -144,7 +147,14 @@ class Worker(Service):
                 )
             stack.push_async_callback(self._tasks.close)
             on_publish_denied(self.nc, self._on_publish_denied)
-            subs = [
+            subs = []
+            kv_events = self.engine.kv_events()
+            if kv_events is not None:
+                # Before the first request: every event of the engine's is relayed.
+                self.kv_relay = KvRelay(self.nc, self.subjects, self.worker_id, kv_events)
+                subs.append(await self.kv_relay.subscribe())
+                self._tasks.spawn(self.kv_relay.run(), name="kv events")
+            subs += [
                 await self.endpoint.subscribe(),
                 await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
                 await self.nc.subscribe(self.subjects.abort, cb=self.admin.on_abort),
@@ -217,6 +227,8 @@ class Worker(Service):
             "pid": os.getpid(),
             "stats": self.stats | {"rejected": self.endpoint.rejections[ErrorCode.OVERLOADED]},
         }
+        if self.kv_relay is not None:
+            card["kv_events"] = True
         return card
 
     async def _announce(self) -> None:
