@@ -11,7 +11,10 @@ one worker holds (the walk goes 64 blocks deep):
 
 - `keys`: the request's 66 block keys (`request_block_keys`, XXH3 over the tokens);
 - `walk`: `KvIndex.overlaps` over those keys;
-- `choose`: all of `KvPolicy.choose` (keys, walk, costs, the pick) among every worker.
+- `choose`: all of `KvPolicy.choose` (keys, walk, costs, the pick) among every worker;
+- `events`: what one request's KV events cost the router in this workload: a message as
+  it comes off NATS (msgpack) storing 4 blocks (its 32-token suffix and 32 output tokens)
+  chained to a held prefix, and one removing 4 blocks, decoded and applied.
 
 Memory is what `tracemalloc` sees allocated by the index (its Python objects), in MB and
 bytes per block. Prints a table; times are medians of 5 runs of `--lookups` decisions.
@@ -28,12 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 from genmesh.client import request
+from genmesh.codecs import get_codec
 from genmesh.routing.kv_policy import KvPolicy
 from genmesh.routing.policies import KvConfig
 from genmesh.shared.discovery import WorkerInfo
 from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import TokenIds
-from genmesh.shared.kv_events import BlockStored, request_block_keys
+from genmesh.shared.kv_events import BlockRemoved, BlockStored, KvEventsMessage, request_block_keys
 
 BLOCK = 16
 CHAIN = 64  # blocks per stored prompt
@@ -91,12 +95,25 @@ def measure(blocks: int, workers: int, lookups: int) -> dict[str, float]:
     keys = request_block_keys(envelope, BLOCK)
     assert policy.index.overlaps(keys)[f"w{workers - 1:03d}"] == held // BLOCK
     infos = worker_infos(workers)
+    codec = get_codec(None)
+    last = f"w{workers - 1:03d}"
+    parent = (workers - 1) * (blocks // workers) + held // BLOCK - 1  # engine hash
+    new = BlockStored(list(range(-4, 0)), parent, TokenIds(range(4 * BLOCK)), BLOCK)
+    store = codec.encode(KvEventsMessage(last, 1, 0.0, [new]).to_wire())
+    remove = codec.encode(KvEventsMessage(last, 2, 0.0, [BlockRemoved([-4, -3, -2, -1])]).to_wire())
+
+    def events() -> None:
+        for payload in (store, remove):
+            message = KvEventsMessage.from_wire(codec.decode(payload))
+            policy.index.apply(message.worker, message.events)
+
     return {
         "mb": size / 1e6,
         "bytes_per_block": size / blocks,
         "keys_us": per_call_us(lambda: request_block_keys(envelope, BLOCK), lookups),
         "walk_us": per_call_us(lambda: policy.index.overlaps(keys), lookups),
         "choose_us": per_call_us(lambda: policy.choose(infos, envelope), lookups),
+        "events_us": per_call_us(events, lookups),
     }
 
 
@@ -108,14 +125,15 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"{'blocks':>9} {'workers':>7} {'MB':>8} {'B/block':>8} "
-        f"{'keys us':>8} {'walk us':>8} {'choose us':>9}"
+        f"{'keys us':>8} {'walk us':>8} {'choose us':>9} {'events us':>9}"
     )
     for blocks in (int(b) for b in args.blocks.split(",")):
         for workers in (int(w) for w in args.workers.split(",")):
             row = measure(blocks, workers, args.lookups)
             print(
                 f"{blocks:>9} {workers:>7} {row['mb']:>8.1f} {row['bytes_per_block']:>8.0f} "
-                f"{row['keys_us']:>8.1f} {row['walk_us']:>8.1f} {row['choose_us']:>9.1f}",
+                f"{row['keys_us']:>8.1f} {row['walk_us']:>8.1f} {row['choose_us']:>9.1f} "
+                f"{row['events_us']:>9.1f}",
                 flush=True,
             )
 

@@ -18,6 +18,7 @@ from genmesh.shared.kv_events import (
     BlockStored,
     EngineHash,
     KvEvent,
+    KvEventError,
     KvEventsMessage,
     block_keys,
 )
@@ -311,12 +312,13 @@ async def test_a_gap_among_the_buffered_messages_resyncs_again() -> None:
 
 
 async def test_without_a_snapshot_the_worker_is_followed_from_its_live_messages() -> None:
-    snapshots = Snapshots(TimeoutError())
+    snapshots = Snapshots(TimeoutError(), TimeoutError())
     sequencer = KvSequencer(KvIndex(), snapshots)
     for m in MESSAGES[:2]:
         sequencer.receive(m)
     sequencer.receive(MESSAGES[3])  # 3 lost: no snapshot to be had
     await settled(sequencer)
+    assert snapshots.asked == ["w1", "w1"]  # asked twice
     assert sequencer.resync_failures == 1
     # Emptied (what it held is uncertain), then message 4 applied: a3's parent a2 is
     # unknown, so nothing is reachable until the worker stores a prefix again.
@@ -363,3 +365,14 @@ def test_a_prediction_holds_no_more_than_the_workers_cache() -> None:
     assert cache.overlaps(keys(A)) == {"w1": 1}
     assert cache.overlaps(keys(B)) == {"w1": 1}
     assert cache.keys_held == 3
+
+
+async def test_a_refused_snapshot_is_asked_for_again() -> None:
+    # e.g. the relay's "no snapshot <id> (expired, ...)" for a later page
+    snapshots = Snapshots(KvEventError("refused"), (3, [stored(A[:12], [b"a0", b"a1", b"a2"])]))
+    sequencer = KvSequencer(KvIndex(), snapshots)
+    sequencer.receive(MESSAGES[2])
+    await settled(sequencer)
+    assert snapshots.asked == ["w1", "w1"]
+    assert sequencer.resync_failures == 0
+    assert sequencer.index.overlaps(keys(A)) == {"w1": 3}

@@ -12,7 +12,7 @@
   (`KvSubscriber.snapshot`) in an owned task, at most one per worker, while that worker's
   live messages are buffered; the snapshot replaces what the index held for it, buffered
   messages after the snapshot's `seq` are applied on top, and a gap among them resyncs
-  again. A worker that answers no snapshot (a relay without one, or gone) is followed
+  again. A worker that answers no snapshot, twice (a relay without one, or gone), is followed
   from its live messages from then on, its index emptied first: blocks whose parent
   was stored before are skipped (`KvIndex`), so it fills again as it stores.
 
@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 # Seconds to wait for each snapshot page.
 SNAPSHOT_PAGE_TIMEOUT_S = 2.0
+# Tries at a snapshot before following the worker's live events alone: a second one gets
+# past a snapshot that expired between its pages (the relay refuses the page; a new
+# snapshot is asked for).
+SNAPSHOT_ATTEMPTS = 2
 
 # A worker's cache as of message `seq`, parents first.
 Snapshot = tuple[int, list[BlockStored]]
@@ -123,7 +127,7 @@ class KvSequencer:
             while True:
                 self.resyncs += 1
                 try:
-                    seq, events = await self.snapshot(worker)
+                    seq, events = await self._fetch(worker)
                 except Exception as exc:
                     self.resync_failures += 1
                     log.warning(
@@ -142,6 +146,14 @@ class KvSequencer:
                     return
         finally:
             feed.resync = None
+
+    async def _fetch(self, worker: str) -> Snapshot:
+        for _ in range(SNAPSHOT_ATTEMPTS - 1):
+            try:
+                return await self.snapshot(worker)
+            except Exception as exc:
+                log.info("worker %s: KV snapshot failed (%s); asking again", worker, exc)
+        return await self.snapshot(worker)
 
     def _drain(self, worker: str, feed: _Feed, *, follow_gaps: bool) -> bool:
         """Apply the buffered messages after `feed.last` in order; False (the rest kept)
