@@ -19,6 +19,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.routing.kv_feed import KvSubscriber
 from genmesh.routing.kv_policy import KvPolicy
@@ -184,3 +185,33 @@ async def test_without_events_a_shared_prefix_follows_where_it_was_routed(
         wait_until, lambda: sum(admitted(empty_mesh).values()) == 3, 5.0, 0.02, "3 admitted"
     )
     assert admitted(empty_mesh) == {"wa": 1, "wb": 2}
+
+
+async def test_a_shared_prefix_lands_on_the_worker_whose_events_say_it_holds_it(
+    empty_mesh: InProcessMesh,
+) -> None:
+    # Real mock workers with a paged cache publish their KV events; wc is the last by id,
+    # so only the index can send a request there when every worker is idle.
+    for wid in ("wa", "wb", "wc"):
+        empty_mesh.add_worker(wid, extra_args=("--mock-kv-blocks", "64"))
+    frontend = empty_mesh.add_frontend("--router-policy", "kv")
+    await asyncio.to_thread(
+        wait_until, lambda: empty_mesh.worker_ids() == {"wa", "wb", "wc"}, 10.0, 0.05, "workers"
+    )
+    policy = frontend.value.state.backend.client.router.policy
+    assert isinstance(policy, KvPolicy)
+    subjects = Subjects(empty_mesh.namespace)
+    async with await MeshClient.connect(empty_mesh.nats_url, empty_mesh.namespace) as client:
+        pinned = request([*PREFIX, 1, 2, 3], max_tokens=2)
+        frames = [f async for f in client.generate(pinned, subject=subjects.worker_generate("wc"))]
+        assert frames[-1]["t"] == "end"
+    keys = block_keys(TokenIds(PREFIX), BS)
+    await eventually(lambda: policy.index.overlaps(keys).get("wc") == 4, "wc's blocks indexed")
+    assert policy.index.overlaps(keys) == {"wc": 4}
+    reply = await post(empty_mesh.http_url + "/generate", body([*PREFIX, 4, 5, 6]))
+    assert reply.status == 200, reply.body
+    assert reply.body["meta_info"]["cached_tokens"] == 64
+    await asyncio.to_thread(
+        wait_until, lambda: sum(admitted(empty_mesh).values()) == 2, 5.0, 0.02, "2 admitted"
+    )
+    assert admitted(empty_mesh) == {"wa": 0, "wb": 0, "wc": 2}
