@@ -45,6 +45,8 @@ def holding(policy: KvPolicy, wid: str, tokens: list[int]) -> None:
 
 
 def kv(**options: Any) -> KvPolicy:
+    """A kv policy with Dynamo's default weight (1.0) unless `options` say otherwise."""
+    options.setdefault("overlap_weight", 1.0)
     policy = make_policy("kv", KvConfig(**options))
     assert isinstance(policy, KvPolicy)
     return policy
@@ -66,6 +68,15 @@ def test_the_worker_holding_the_prefix_wins_until_its_load_outweighs_it() -> Non
     heavy = kv(overlap_weight=3.0)
     holding(heavy, "b", PROMPT[:24])
     assert choose(heavy, worker("a"), worker("b", load=1)) == "b"
+
+
+def test_by_default_a_cached_prefix_outweighs_a_few_active_requests() -> None:
+    policy = make_policy("kv")
+    assert isinstance(policy, KvPolicy)
+    holding(policy, "b", PROMPT[:24])
+    # cost = 8 x (8 - overlap) + load x 8: b = 16 + 8 load_b, a = 64 + 8 load_a.
+    assert choose(policy, worker("a"), worker("b", load=5)) == "b"  # 56 < 64
+    assert choose(policy, worker("a"), worker("b", load=6)) == "a"  # 64: a tie, the lower id
 
 
 def test_weight_zero_is_load_only() -> None:

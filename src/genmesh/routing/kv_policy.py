@@ -10,11 +10,13 @@ The first term is the prefill still to compute there; `active_blocks` the decode
 taken as the worker's active requests (its last load report plus what this process has
 sent it since: `WorkerInfo.load`) times this request's blocks. Dynamo's selector
 (lib/kv-router/src/scheduling/selector.rs) has the same shape: `logit =
-overlap_score_weight x potential_prefill_blocks + decode_blocks`, default weight 1.0,
-temperature 0. At temperature 0 the cheapest worker wins, ties to the lowest worker id,
-so routers fed the same events choose alike; above 0 a worker is drawn with softmax
-weights over the negated costs, scaled as Dynamo scales them (by the spread of the
-costs), so the temperature means the same whatever the prompt's length.
+overlap_score_weight x potential_prefill_blocks + decode_blocks`, temperature 0 by
+default, its weight 1.0 by default where ours is 8.0 (`KvConfig`: measured on the
+issue's shared-prefix workload, docs/routing.md). At temperature 0 the cheapest worker
+wins, ties to the lowest worker id, so routers fed the same events choose alike; above 0
+a worker is drawn with softmax weights over the negated costs, scaled as Dynamo scales
+them (by the spread of the costs), so the temperature means the same whatever the
+prompt's length.
 
 What a worker holds comes from its KV events (`KvIndex`, fed by `routing/kv_feed.py`)
 when its card says it publishes them and `--kv-events` is on; otherwise from what was

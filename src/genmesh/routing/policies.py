@@ -107,15 +107,19 @@ POLICY_NAMES = (*POLICIES, KV_POLICY)
 class KvConfig:
     """The `kv` policy's options, declared once: a router's (`RouterConfig.kv`) and a
     frontend's that routes itself (`FrontendConfig.kv`) hold this group, and `genmesh up`
-    hands the routers' to the frontends. Defaults are Dynamo's KV router's
-    (docs/routing.md, "The kv policy")."""
+    hands the routers' to the frontends. Defaults are Dynamo's KV router's but for the
+    overlap weight (docs/routing.md, "The kv policy")."""
 
+    # Dynamo's default is 1.0; at 1.0 one more active request on the worker holding a
+    # 1,024-token prefix already sends the next request elsewhere to recompute it, and the
+    # caches end up holding copies of each other's prefixes (docs/routing.md, measured).
     overlap_weight: float = option(
-        1.0,
+        8.0,
         flag="--kv-overlap-weight",
         parse=non_negative_float,
         help="weight of the prompt blocks a worker would still have to compute, "
-        "against its active blocks (Dynamo's --kv-overlap-score-weight); 0 = load only",
+        "against its active blocks (Dynamo's --kv-overlap-score-weight, whose default is "
+        "1); 0 = load only",
     )
     temperature: float = option(
         0.0,
