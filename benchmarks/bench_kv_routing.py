@@ -15,8 +15,12 @@ with the frontend's pid for its CPU. Everything after `--` goes to kv_workload.p
 
 Prints one row per policy: req/s, TTFT p50/p90/p99 (ms), the prompt-token cache hit
 ratio (the responses' `meta_info.cached_tokens` over their prompt tokens), the frontend's
-CPU ms per request, and routing CPU per request: the frontend's CPU above round robin's
-(its policy costs nothing), so the index, the event stream and the choice together.
+CPU ms per request, routing CPU per request: the frontend's CPU above round robin's
+(its policy costs nothing), so the index, the event stream and the choice together (on a
+busy box this difference is within the noise: bench_kv_index.py times the parts), and
+the KV event messages the workers published per request (warm-up included), each of
+which every process routing with `kv` decodes and applies. The bench starts the NATS
+server itself (to count those) and hands its URL to `up`.
 """
 
 from __future__ import annotations
@@ -29,14 +33,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
+from nats.aio.msg import Msg
 
 from bench_generate import loadavg, run_benchmark, say
 from genmesh.shared.lifecycle import PID_HEADER
 from genmesh.shared.settings import parse
+from genmesh.shared.subjects import Subjects
 from genmesh.supervisor import Supervisor, clean_environment, free_port, wait_http_ok
 from genmesh.up.config import UpConfig
 
@@ -63,6 +71,27 @@ async def first_request(url: str) -> None:
     raise RuntimeError("the mesh answers no /generate")
 
 
+async def drive(command: list[str], nats_url: str, subjects: Subjects) -> int:
+    """Run the load generator; how many KV event messages the workers published meanwhile
+    (each one every process routing with `kv` decodes and applies)."""
+    nc = await nats.connect(nats_url)
+    count = 0
+
+    async def counted(msg: Msg) -> None:
+        nonlocal count
+        count += 1
+
+    try:
+        await nc.subscribe(subjects.kv_events_all, cb=counted)
+        await nc.flush()
+        load = await asyncio.create_subprocess_exec(*command, stdout=subprocess.DEVNULL)
+        await load.wait()
+        await nc.flush()
+    finally:
+        await nc.close()
+    return count
+
+
 def run_policy(
     args: argparse.Namespace, policy: str, workdir: Path, live: list[Supervisor]
 ) -> dict[str, Any]:
@@ -81,6 +110,8 @@ def run_policy(
     procs = Supervisor(logdir=logdir, env=clean_environment(prefixes=("GENMESH_",)))
     live.append(procs)
     try:
+        nats_url = procs.start_nats()
+        up = replace(up, mesh=replace(up.mesh, nats_url=nats_url))
         child = procs.spawn_genmesh("up", up)
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_http_ok(url + "/health", timeout_s=READY_TIMEOUT_S, watch=[child]))
@@ -93,8 +124,9 @@ def run_policy(
             *args.workload_args,
         ]  # fmt: skip
         say(f"{policy}: {shlex.join(command[1:])}")
-        subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
+        messages = asyncio.run(drive(command, nats_url, Subjects(up.mesh.namespace)))
         result: dict[str, Any] = json.loads(out.read_text().splitlines()[-1])
+        result["kv_messages"] = messages
         return result
     finally:
         procs.stop()
@@ -105,7 +137,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["label"] == "round_robin"), None)
     lines = [
         f"{'policy':<13} {'req/s':>6} {'TTFT p50':>8} {'p90':>7} {'p99':>7} {'hit':>6} "
-        f"{'fe ms/req':>9} {'routing':>7} {'errors':>6}"
+        f"{'fe ms/req':>9} {'routing':>7} {'kv msg/req':>10} {'errors':>6}"
     ]
     for r in rows:
         hit = r.get("resp_cache_hit_ratio")
@@ -119,7 +151,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['label']:<13} {r['rps']:>6.1f} {r['ttft_ms']['p50']:>8.1f} "
             f"{r['ttft_ms']['p90']:>7.1f} {r['ttft_ms']['p99']:>7.1f} "
             f"{(f'{hit:.3f}' if hit is not None else '-'):>6} "
-            f"{(f'{cpu:.3f}' if cpu is not None else '-'):>9} {routing} {r['errors']:>6}"
+            f"{(f'{cpu:.3f}' if cpu is not None else '-'):>9} {routing} "
+            f"{r['kv_messages'] / (r['n'] + r['warmup']):>10.2f} {r['errors']:>6}"
         )
     return "\n".join(lines)
 
