@@ -327,6 +327,12 @@ MATRIX: list[Rule] = [
     ),
     Rule("client", "sub", "genmesh.{ns}.cancel", False, "cannot watch cancels"),
     Rule(
+        "client", "sub", "genmesh.{ns}.kv.*", False,
+        "cannot watch what the workers cache (KV events carry prompt tokens)",
+        sample="genmesh.{ns}.kv.w1",
+    ),
+    Rule("client", "pub", W + ".kv_snapshot", False, "nor ask a worker for its cache"),
+    Rule(
         "client", "sub", "genmesh.{ns}.discovery.>", False, "cannot watch discovery",
         sample="genmesh.{ns}.discovery.announce",
     ),
@@ -372,6 +378,11 @@ MATRIX: list[Rule] = [
     Rule("frontend", "pub", "genmesh.{ns}.abort", True, "/abort_request, /abort_requests"),
     Rule("frontend", "pub", "genmesh.{ns}.flush_cache", True, "/flush_cache"),
     Rule("frontend", "pub", W + ".generate", True, "routes its own requests"),
+    Rule("frontend", "pub", W + ".kv_snapshot", True, "kv policy: resync a worker's cache"),
+    Rule(
+        "frontend", "sub", "genmesh.{ns}.kv.*", True, "kv policy: the workers' KV events",
+        sample="genmesh.{ns}.kv.w1",
+    ),
     Rule("frontend", "pub", "genmesh.{ns}.discovery.announce", False, "cannot pose as a worker"),
     Rule(
         "frontend", "sub", "genmesh.{ns}.discovery.>", True, "worker cards, router presence",
@@ -407,6 +418,11 @@ MATRIX: list[Rule] = [
         sample="_INBOX_frontend.f1.0",
     ),
     Rule("router", "pub", W + ".generate", True, "forward to the chosen worker"),
+    Rule("router", "pub", W + ".kv_snapshot", True, "kv policy: resync a worker's cache"),
+    Rule(
+        "router", "sub", "genmesh.{ns}.kv.*", True, "kv policy: the workers' KV events",
+        sample="genmesh.{ns}.kv.w1",
+    ),
     Rule("router", "pub", "genmesh.{ns}.discovery.router", True, "presence"),
     Rule("router", "pub", "genmesh.{ns}.discovery.query", True, "learn the mesh"),
     Rule("router", "pub", "genmesh.{ns}.discovery.announce", False, "cannot pose as a worker"),
@@ -436,6 +452,8 @@ MATRIX: list[Rule] = [
     ),
     Rule("worker", "pub", "genmesh.{ns}.discovery.announce", True, "its card"),
     Rule("worker", "pub", "genmesh.{ns}.discovery.leave", True, "leaving"),
+    Rule("worker", "pub", "genmesh.{ns}.kv.w1", True, "its engine's KV events"),
+    Rule("worker", "sub", W + ".kv_snapshot", True, "snapshots of its cache (resync)"),
     Rule("worker", "pub", "genmesh.{ns}.discovery.router", False, "cannot pose as a router"),
     Rule("worker", "pub", "genmesh.{ns}.router.generate", False, "cannot send requests"),
     Rule("worker", "pub", "genmesh.{ns}.worker.w2.generate", False, "nor to another worker"),
@@ -455,7 +473,8 @@ def matrix_table() -> str:
     """The matrix as the markdown table docs/deploy.md shows."""
     lines = ["| role | op | subject | queue | allowed | why |", "|---|---|---|---|---|---|"]
     for r in MATRIX:
-        subject = r.subject.format(ns="<ns>").replace(".w1.", ".<wid>.").replace(".w2.", ".<wid2>.")
+        subject = re.sub(r"\.w1(\.|$)", r".<wid>\1", r.subject.format(ns="<ns>"))
+        subject = subject.replace(".w2.", ".<wid2>.")
         verdict = "allowed" if r.allowed else "**denied**"
         lines.append(f"| {r.role} | {r.op} | `{subject}` | {r.queue} | {verdict} | {r.why} |")
     return "\n".join(lines)
