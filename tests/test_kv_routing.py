@@ -215,3 +215,21 @@ async def test_a_shared_prefix_lands_on_the_worker_whose_events_say_it_holds_it(
         wait_until, lambda: sum(admitted(empty_mesh).values()) == 2, 5.0, 0.02, "2 admitted"
     )
     assert admitted(empty_mesh) == {"wa": 0, "wb": 0, "wc": 2}
+
+
+async def test_a_router_with_kv_follows_the_events_too(empty_mesh: InProcessMesh) -> None:
+    for wid in ("wa", "wb"):
+        empty_mesh.add_worker(wid, extra_args=("--mock-kv-blocks", "64"))
+    router = empty_mesh.add_router("kv")
+    subjects = Subjects(empty_mesh.namespace)
+    keys = block_keys(TokenIds(PREFIX), BS)
+    async with await MeshClient.connect(empty_mesh.nats_url, empty_mesh.namespace) as client:
+        await eventually(lambda: set(router.value.directory.workers) == {"wa", "wb"}, "workers")
+        pinned = request([*PREFIX, 1], max_tokens=2)
+        frames = [f async for f in client.generate(pinned, subject=subjects.worker_generate("wb"))]
+        assert frames[-1]["t"] == "end"
+        await eventually(lambda: router.value.policy.index.overlaps(keys) == {"wb": 4}, "indexed")
+        routed = request([*PREFIX, 2], max_tokens=2)  # through the router
+        frames = [f async for f in client.generate(routed)]
+    assert frames[-1]["t"] == "end"
+    assert router.value.decisions == {"wb": 1}
