@@ -10,14 +10,19 @@ from typing import Any
 import pytest
 
 from genmesh.client import request
+from genmesh.commandline import command_argv
 from genmesh.routing.choice import Chooser
 from genmesh.routing.kv_policy import KvPolicy
 from genmesh.routing.policies import KvConfig, make_policy
+from genmesh.shared.connection import MeshConnection
 from genmesh.shared.discovery import WorkerInfo
 from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import TokenIds
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.kv_events import BlockStored, block_keys
+from genmesh.shared.settings import parse
+from genmesh.up.config import UpConfig
+from genmesh.up.run import frontend_configs
 from tests.unit.test_routing import directory
 
 pytestmark = pytest.mark.unit
@@ -201,3 +206,16 @@ def test_forget_drops_a_worker_from_both_views() -> None:
     policy.forget("b")
     assert policy.index.keys_held == 0
     assert policy.predicted.keys_held == 0
+
+
+def test_up_hands_the_kv_options_to_routers_and_frontends_alike() -> None:
+    argv = ["--router-policy", "kv", "--kv-overlap-weight", "2", "--kv-events", "off"]
+    config = parse(UpConfig, argv, environ={"GENMESH_KV_TEMPERATURE": "0.5"})
+    wanted = KvConfig(overlap_weight=2.0, temperature=0.5, events="off")
+    assert config.router.kv == wanted
+    [(_, frontend)] = frontend_configs(config, MeshConnection("nats://x:4222"))
+    assert (frontend.router_policy, frontend.kv) == ("kv", wanted)
+    # And on their command lines as `up` starts them.
+    for argv_out in (command_argv(frontend), command_argv(config.router)):
+        assert argv_out[argv_out.index("--kv-overlap-weight") + 1] == "2.0"
+        assert argv_out[argv_out.index("--kv-events") + 1] == "off"
