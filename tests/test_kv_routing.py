@@ -18,12 +18,14 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client import generate_latest
 
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.routing.kv_feed import KvSubscriber
 from genmesh.routing.kv_policy import KvPolicy
 from genmesh.routing.policies import KvConfig
+from genmesh.services.router.metrics import router_registry
 from genmesh.shared.bus import publish
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.envelope import TokenIds
@@ -233,3 +235,8 @@ async def test_a_router_with_kv_follows_the_events_too(empty_mesh: InProcessMesh
         frames = [f async for f in client.generate(routed)]
     assert frames[-1]["t"] == "end"
     assert router.value.decisions == {"wb": 1}
+    # Its metrics say what its index holds: the prefix's 4 blocks, no resync.
+    scraped = generate_latest(router_registry(router.value)).decode()
+    assert "genmesh_kv_index_blocks 4.0" in scraped
+    assert "genmesh_kv_resyncs_total 0.0" in scraped
+    assert "genmesh_kv_messages_total 0.0" not in scraped

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from genmesh.codecs import CodecError, UnknownCodecError, get_codec
 from genmesh.routing.kv_index import KvIndex
@@ -182,6 +184,7 @@ class KvSubscriber:
         self.directory = directory
         self.policy = policy
         self.sequencer = KvSequencer(policy.index, self.snapshot)
+        self.messages = 0  # KV event messages received (from known workers or not)
         self._sub: Subscription | None = None
         self._codec = get_codec(None)
 
@@ -203,6 +206,7 @@ class KvSubscriber:
             self.policy.forget(worker.id)
 
     async def _on_message(self, msg: Msg) -> None:
+        self.messages += 1
         try:
             message = KvEventsMessage.from_wire(message_codec(msg).decode(msg.data))
         except (UnknownCodecError, CodecError, KvEventError) as exc:
@@ -238,3 +242,36 @@ def kv_subscriber(
 ) -> KvSubscriber | None:
     """The subscriber a process routing with `policy` runs beside it (None: no `kv`)."""
     return KvSubscriber(nc, subjects, directory, policy) if isinstance(policy, KvPolicy) else None
+
+
+class KvCollector(Collector):
+    """The `kv` policy's state as Prometheus metrics (`genmesh_kv_*`), read at scrape time;
+    registered by routers and frontends that route with `kv` (docs/observability.md)."""
+
+    def __init__(self, subscriber: KvSubscriber) -> None:
+        self.subscriber = subscriber
+
+    def collect(self) -> Iterator[Metric]:
+        subscriber = self.subscriber
+        index, sequencer = subscriber.policy.index, subscriber.sequencer
+        yield GaugeMetricFamily(
+            "genmesh_kv_index_blocks",
+            "Distinct KV blocks the workers' events say at least one worker holds",
+            value=index.keys_held,
+        )
+        yield GaugeMetricFamily(
+            "genmesh_kv_predicted_blocks",
+            "Distinct KV blocks predicted cached on workers without KV events",
+            value=subscriber.policy.predicted.keys_held,
+        )
+        for name, text, value in (
+            ("messages", "KV event messages received", subscriber.messages),
+            ("resyncs", "Snapshots fetched after a gap in a worker's messages", sequencer.resyncs),
+            (
+                "resync_failures",
+                "Resyncs given up (no snapshot twice): the worker followed from live events",
+                sequencer.resync_failures,
+            ),
+            ("orphans", "Stored events skipped: their parent block unknown", index.orphans),
+        ):
+            yield CounterMetricFamily(f"genmesh_kv_{name}", text, value=value)

@@ -15,7 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.routing.choice import Chooser
-from genmesh.routing.kv_feed import kv_subscriber
+from genmesh.routing.kv_feed import KvCollector, kv_subscriber
 from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.config import FrontendConfig
@@ -119,6 +119,8 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             request_timeout_s=config.request_timeout_s or None,
         )
         metrics = FrontendMetrics()  # served on GET /metrics of the frontend's own port
+        if kv is not None:
+            metrics.registry.register(KvCollector(kv))
         state.observers.append(metrics)
         tracer = tracing.tracer()
         if tracer is not None:  # off, traces cost nothing: not even an observer
