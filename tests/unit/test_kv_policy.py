@@ -84,6 +84,15 @@ def test_by_default_a_cached_prefix_outweighs_a_few_active_requests() -> None:
     assert choose(policy, worker("a"), worker("b", load=6)) == "a"  # 64: a tie, the lower id
 
 
+def test_a_prompt_shorter_than_a_block_still_weighs_load() -> None:
+    policy = kv()
+    assert choose(policy, worker("a", load=2), worker("b", load=1), tokens=[1, 2, 3]) == "b"
+    # Six tokens are two blocks, the first held by b: 1 x 1 + 2 x 2 < 1 x 2 + 2 x 2.
+    holding(policy, "b", [1, 2, 3, 4])
+    six = [1, 2, 3, 4, 5, 6]
+    assert choose(policy, worker("a", load=2), worker("b", load=2), tokens=six) == "b"
+
+
 def test_weight_zero_is_load_only() -> None:
     policy = kv(overlap_weight=0.0)
     holding(policy, "b", PROMPT)

@@ -1,8 +1,8 @@
 """The `kv` policy: the worker whose cache already holds the most of a request's prompt,
 weighed against its load, as Dynamo's KV router weighs them (docs/routing.md).
 
-Per eligible worker, with the request's prompt in `blocks` full blocks of which the
-worker holds the first `overlap`:
+Per eligible worker, with the request's prompt in `blocks` blocks (the last one possibly
+partial, at least one) of which the worker holds the first `overlap`:
 
     cost = overlap_weight x (blocks - overlap) + active_blocks
 
@@ -77,7 +77,9 @@ class KvPolicy:
         with_events = [self.uses_events(w) for w in workers]
         from_events = self.index.overlaps(keys) if any(with_events) else {}
         predicted = self.predicted.overlaps(keys) if not all(with_events) else {}
-        blocks = len(keys)
+        # A partial last block is computed too, and a prompt shorter than a block still
+        # costs its worker one: else such prompts would ignore load altogether.
+        blocks = max(1, -(-len(envelope.token_ids) // size))
         weight = self.config.overlap_weight
         costs = [
             weight * (blocks - (from_events if events else predicted).get(w.id, 0))
