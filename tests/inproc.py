@@ -191,7 +191,9 @@ class InProcessMesh(FrontendView):
         config = worker_config(self.connection, wid, extra_args, **options)
 
         def running() -> contextlib.AbstractAsyncContextManager[Any]:
-            engine = create_engine(config.engine, url=config.engine_url, mock=config.mock)
+            engine = create_engine(
+                config.engine, url=config.engine_url, mock=config.mock, kv_events=config.kv_events
+            )
             return running_worker(config, engine)
 
         service = self._start("worker", wid, running)

@@ -252,3 +252,55 @@ def test_nats_command_serves(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_kv_events_settings_the_engines_would_refuse_stop_the_command() -> None:
+    cases = [
+        (["testkit", "sglang", "--kv-events-config", '{"publisher": "kafka"}'],
+         "genmesh: Unknown event publisher 'kafka'"),
+        (["worker", "--engine-kv-events", "tcp://h:5557"],
+         "genmesh: --engine-kv-events is for an SGLang/vLLM server; the mock engine reports "
+         "its own cache"),
+        (["worker", "--engine", "sglang", "--engine-url", "http://h:1",
+          "--engine-kv-events", "tcp://*:5557"],
+         "genmesh: --engine-kv-events tcp://*:5557: connect to the engine's host, not to * "
+         "(that is where it binds)"),
+    ]  # fmt: skip
+    for argv, reason in cases:
+        out = subprocess.run(
+            [*GENMESH, *argv], capture_output=True, text=True, timeout=30, env=clean_env()
+        )
+        assert out.returncode == 2, out.stderr
+        assert reason in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_testkit_publishes_kv_events_from_its_process() -> None:
+    port = free_port()
+    config = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
+    proc = subprocess.Popen(
+        [*GENMESH, "testkit", "sglang", "--port", str(port), "--block-size", "4",
+         "--kv-events-config", config],
+        env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _get(base + "/health") is not None, timeout=20, what="the testkit")
+        body = json.dumps({"input_ids": list(range(9)), "sampling_params": {"max_new_tokens": 1}})
+        urllib.request.urlopen(base + "/generate", body.encode(), timeout=10).read()
+        state = json.loads(_get(base + "/testkit/kv_events") or "{}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert state["published"] == 1  # the prompt's two full pages, in one step's batch
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", state["endpoint"])
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", state["replay_endpoint"])
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return str(r.read().decode())
+    except OSError:
+        return None

@@ -314,6 +314,11 @@ MATRIX: list[Rule] = [
     Rule("client", "pub", "genmesh.{ns}.discovery.router", False, "cannot pose as a router"),
     Rule("client", "pub", "_INBOX_frontend.x.0", False, "cannot inject frames into a stream"),
     Rule("client", "pub", "$JS.API.INFO", False, "no JetStream"),
+    Rule("client", "pub", W + ".kv_snapshot", False, "a worker's cache is the mesh's business"),
+    Rule(
+        "client", "sub", "genmesh.{ns}.kv.*", False, "nor its KV events (they hold prompts)",
+        sample="genmesh.{ns}.kv.w1",
+    ),
     Rule("client", "sub", "_INBOX_client.c1.*", True, "its replies", sample="_INBOX_client.c1.0"),
     Rule("client", "sub", W + ".generate", False, "cannot read a worker's requests"),
     Rule(
@@ -326,12 +331,6 @@ MATRIX: list[Rule] = [
         queue="router",
     ),
     Rule("client", "sub", "genmesh.{ns}.cancel", False, "cannot watch cancels"),
-    Rule(
-        "client", "sub", "genmesh.{ns}.kv.*", False,
-        "cannot watch what the workers cache (KV events carry prompt tokens)",
-        sample="genmesh.{ns}.kv.w1",
-    ),
-    Rule("client", "pub", W + ".kv_snapshot", False, "nor ask a worker for its cache"),
     Rule(
         "client", "sub", "genmesh.{ns}.discovery.>", False, "cannot watch discovery",
         sample="genmesh.{ns}.discovery.announce",
@@ -378,9 +377,9 @@ MATRIX: list[Rule] = [
     Rule("frontend", "pub", "genmesh.{ns}.abort", True, "/abort_request, /abort_requests"),
     Rule("frontend", "pub", "genmesh.{ns}.flush_cache", True, "/flush_cache"),
     Rule("frontend", "pub", W + ".generate", True, "routes its own requests"),
-    Rule("frontend", "pub", W + ".kv_snapshot", True, "kv policy: resync a worker's cache"),
+    Rule("frontend", "pub", W + ".kv_snapshot", True, "resyncs a worker's KV events"),
     Rule(
-        "frontend", "sub", "genmesh.{ns}.kv.*", True, "kv policy: the workers' KV events",
+        "frontend", "sub", "genmesh.{ns}.kv.*", True, "workers' KV events (routes by cache)",
         sample="genmesh.{ns}.kv.w1",
     ),
     Rule("frontend", "pub", "genmesh.{ns}.discovery.announce", False, "cannot pose as a worker"),
@@ -418,9 +417,9 @@ MATRIX: list[Rule] = [
         sample="_INBOX_frontend.f1.0",
     ),
     Rule("router", "pub", W + ".generate", True, "forward to the chosen worker"),
-    Rule("router", "pub", W + ".kv_snapshot", True, "kv policy: resync a worker's cache"),
+    Rule("router", "pub", W + ".kv_snapshot", True, "resync a worker's KV events"),
     Rule(
-        "router", "sub", "genmesh.{ns}.kv.*", True, "kv policy: the workers' KV events",
+        "router", "sub", "genmesh.{ns}.kv.*", True, "workers' KV events",
         sample="genmesh.{ns}.kv.w1",
     ),
     Rule("router", "pub", "genmesh.{ns}.discovery.router", True, "presence"),
@@ -439,6 +438,8 @@ MATRIX: list[Rule] = [
     Rule("worker", "sub", "genmesh.{ns}.abort", True, "aborts by client ID"),
     Rule("worker", "sub", "genmesh.{ns}.flush_cache", True, "cache flushes"),
     Rule("worker", "sub", "genmesh.{ns}.discovery.query", True, "announce on a query"),
+    Rule("worker", "sub", W + ".kv_snapshot", True, "snapshot requests"),
+    Rule("worker", "pub", "genmesh.{ns}.kv.w1", True, "its engine's KV events"),
     Rule(
         "worker", "sub", "genmesh.{ns}.router.generate", False, "cannot take requests "
         "before routing", queue="router",
@@ -452,8 +453,6 @@ MATRIX: list[Rule] = [
     ),
     Rule("worker", "pub", "genmesh.{ns}.discovery.announce", True, "its card"),
     Rule("worker", "pub", "genmesh.{ns}.discovery.leave", True, "leaving"),
-    Rule("worker", "pub", "genmesh.{ns}.kv.w1", True, "its engine's KV events"),
-    Rule("worker", "sub", W + ".kv_snapshot", True, "snapshots of its cache (resync)"),
     Rule("worker", "pub", "genmesh.{ns}.discovery.router", False, "cannot pose as a router"),
     Rule("worker", "pub", "genmesh.{ns}.router.generate", False, "cannot send requests"),
     Rule("worker", "pub", "genmesh.{ns}.worker.w2.generate", False, "nor to another worker"),
@@ -473,8 +472,7 @@ def matrix_table() -> str:
     """The matrix as the markdown table docs/deploy.md shows."""
     lines = ["| role | op | subject | queue | allowed | why |", "|---|---|---|---|---|---|"]
     for r in MATRIX:
-        subject = re.sub(r"\.w1(\.|$)", r".<wid>\1", r.subject.format(ns="<ns>"))
-        subject = subject.replace(".w2.", ".<wid2>.")
+        subject = r.subject.format(ns="<ns>").replace(".w1.", ".<wid>.").replace(".w2.", ".<wid2>.")
         verdict = "allowed" if r.allowed else "**denied**"
         lines.append(f"| {r.role} | {r.op} | `{subject}` | {r.queue} | {verdict} | {r.why} |")
     return "\n".join(lines)
@@ -539,7 +537,8 @@ def secured_mesh(
     secured_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
     """Two routers, two workers and a frontend, each logged in as its role: the frontend
-    and routers with GENMESH_NATS_PASSWORD, the workers with a password file."""
+    and routers with GENMESH_NATS_PASSWORD, the workers with a password file. The workers'
+    mock caches are on, so they relay KV events and answer snapshot requests too."""
     workdir = tmp_path_factory.mktemp("secured-mesh")
     password_file = workdir / "worker-password"
     password_file.write_text(PASSWORDS["worker"] + "\n")
@@ -553,7 +552,11 @@ def secured_mesh(
         workdir,
         namespace=unique_namespace("sec"),
         routers=2,
-        worker_opts={"vocab_size": 1000, "eos_token_id": 7},
+        worker_opts={
+            "vocab_size": 1000,
+            "eos_token_id": 7,
+            "extra_args": ("--mock-kv-blocks", "64"),
+        },
         role_env=envs,
     )
     yield mesh

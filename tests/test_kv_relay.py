@@ -300,7 +300,7 @@ async def test_a_batch_nats_cannot_take_is_numbered_and_mirrored_all_the_same(
     relay = KvRelay(nc, Subjects(unique_namespace()), WID, events())
     await relay.run()
     assert relay.seq == 2
-    page = relay.page({"snapshot": None, "page": 0})
+    page = await relay.page({"snapshot": None, "page": 0})
     assert (page.seq, page.pages) == (2, 1)
     assert [(e.block_hashes, list(e.token_ids)) for e in page.events] == [([b"a"], [1, 2])]
 

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 from multidict import CIMultiDict
 
-from genmesh.client import request
+from genmesh.client import MeshClient, request
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.mock import (
     MockConfig,
@@ -25,6 +25,7 @@ from genmesh.engines.mock import (
     advance,
     initial_state,
 )
+from genmesh.shared.envelope import Envelope
 from tests.conftest import unique_namespace
 from tests.http_util import Reply, SseReply, parse_sse
 from tests.inproc import AnyMesh, worker_requests
@@ -578,3 +579,71 @@ async def test_return_token_ids_gives_the_prompt_back(mesh: AnyMesh) -> None:
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == (
         plain.body["choices"][0]["token_ids"]
     )
+
+
+# Two images on a 40-token prompt, as vLLM's /render gives them.
+MM_FEATURES: dict[str, Any] = {
+    "mm_hashes": {"image": ["a" * 64, "b" * 64]},
+    "mm_placeholders": {"image": [{"offset": 4, "length": 8}, {"offset": 20, "length": 8}]},
+    "kwargs_data": {"image": ["YQ==", "Yg=="]},
+}
+MM_PROMPT = list(range(100, 140))
+
+
+async def test_multimodal_features_are_served_and_reach_the_worker(mesh: AnyMesh) -> None:
+    """The mock has no vision model: it answers a features request with the tokens of its
+    prompt alone; the worker receives the features as the client sent them."""
+    body = {"token_ids": MM_PROMPT, "sampling_params": {"max_tokens": 5, "ignore_eos": True}}
+    text_only = await post(mesh, body)
+    async with worker_requests(mesh.nats_url, mesh.namespace) as seen:
+        reply = await post(mesh, {**body, "features": MM_FEATURES, "return_token_ids": True})
+    assert reply.status == 200, reply.body
+    assert reply.body["choices"] == text_only.body["choices"]
+    assert reply.body["prompt_token_ids"] == MM_PROMPT
+    assert reply.body["mm_placeholders"] == MM_FEATURES["mm_placeholders"]
+    envelopes = [msgpack.unpackb(data) for data in seen]
+    assert [e["engine"]["features"] for e in envelopes] == [MM_FEATURES]
+
+
+async def test_overlapping_placeholders_are_refused_as_vllm_refuses_them(mesh: AnyMesh) -> None:
+    features = {
+        **MM_FEATURES,
+        "mm_placeholders": {"image": [{"offset": 4, "length": 8}, {"offset": 8, "length": 8}]},
+    }
+    reply = await post(
+        mesh, {"token_ids": MM_PROMPT, "sampling_params": {"max_tokens": 5}, "features": features}
+    )
+    message = "mm_placeholders must be globally non-overlapping and sorted"
+    assert reply.status == 400
+    assert reply.body == {
+        "error": {
+            "message": "1 validation error:\n  {'type': 'value_error', 'loc': 'body.features', "
+            f"'msg': 'Value error, {message}', 'input': '<dict of 3 items>', "
+            f"'ctx': {{'error': ValueError('{message}')}}}}",
+            "type": "Bad Request",
+            "param": "body.features",
+            "code": 400,
+        }
+    }
+
+
+async def test_a_nats_clients_bad_features_are_refused_by_the_mock_in_vllms_words(
+    mesh: AnyMesh,
+) -> None:
+    """No format checks an envelope a NATS-level client sends: the router routes it (on
+    its tokens alone) and the mock engine refuses the layout as vLLM would."""
+
+    def envelope(features: dict[str, Any]) -> Envelope:
+        env = request(MM_PROMPT, max_tokens=2)
+        env.format = "vllm"
+        env.engine = {"features": features}
+        return env
+
+    bad = {**MM_FEATURES, "mm_hashes": {"image": ["a" * 64]}}
+    async with await MeshClient.connect(mesh.nats_url, mesh.namespace) as client:
+        frames = [f async for f in client.generate(envelope(bad))]
+        served = [f async for f in client.generate(envelope(MM_FEATURES))]
+    assert frames[-1]["t"] == "err"
+    assert frames[-1]["code"] == "invalid_argument"
+    assert frames[-1]["message"] == "image mm_hashes and mm_placeholders must have the same length"
+    assert served[-1]["t"] == "end", served[-1]

@@ -105,7 +105,9 @@ def cmd_worker(config: WorkerProcessConfig) -> int:
         return _fail(wrong)
     configure_logging(config.mesh.log_level, f"worker[{worker_id}]")
     try:  # the settings are checked before connecting to anything
-        engine = create_engine(config.engine, url=config.engine_url, mock=config.mock)
+        engine = create_engine(
+            config.engine, url=config.engine_url, mock=config.mock, kv_events=config.kv_events
+        )
     except ValueError as exc:
         return _fail(str(exc))
     return _run_service(serve_worker(config, engine), config.mesh.event_loop)

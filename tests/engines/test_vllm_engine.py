@@ -864,3 +864,38 @@ async def test_sampling_defaults_of_a_vllm_request_are_sent(engine: VllmEngine) 
     want = await mock_outputs(canonical)
     assert tokens_of(outs) == tokens_of(want)
     assert flat(outs, "top_logprobs") == flat(want, "top_logprobs")
+
+
+# Two images on a 12-token prompt, as vLLM's /render gives them.
+MM_PROMPT = list(range(100, 112))
+MM_FEATURES: dict[str, Any] = {
+    "mm_hashes": {"image": ["a" * 64, "b" * 64]},
+    "mm_placeholders": {"image": [{"offset": 2, "length": 4}, {"offset": 6, "length": 4}]},
+    "kwargs_data": {"image": ["YQ==", None]},
+}
+
+
+@pytest.mark.parametrize("profile", ["new"])
+async def test_features_reach_the_server_unchanged(engine: VllmEngine, server: Server) -> None:
+    body = {"token_ids": MM_PROMPT, "sampling_params": {"max_tokens": 4}}
+    with_images = await collect(engine, vllm_envelope({**body, "features": MM_FEATURES}))
+    text_only = await collect(engine, vllm_envelope(body))
+    sent = await server.requests()
+    assert sent[0]["body"]["features"] == MM_FEATURES
+    assert "features" not in sent[1]["body"]
+    assert tokens_of(with_images) == tokens_of(text_only)  # a text-only model's answer
+
+
+@pytest.mark.parametrize("profile", ["new"])
+async def test_the_server_refuses_a_layout_vllm_refuses(engine: VllmEngine) -> None:
+    """What a NATS-level client may send (no format checked it) meets vLLM's check."""
+    env = envelope(MM_PROMPT, max_tokens=2)
+    env.format = "vllm"
+    env.engine = {"features": {**MM_FEATURES, "mm_hashes": {"image": ["a" * 64]}}}
+    err, outs = await failure(engine, env)
+    assert outs == []
+    assert err.code is ErrorCode.INVALID_ARGUMENT
+    assert err.message == (
+        "1 validation error for GenerateRequest\nfeatures\n  Value error, "
+        "image mm_hashes and mm_placeholders must have the same length"
+    )

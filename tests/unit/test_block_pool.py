@@ -12,6 +12,7 @@ from genmesh.client import request
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.mock import MockConfig, MockEngine
 from genmesh.engines.prefix_cache import MEDIUM, BlockPool, mock_block_hash
+from genmesh.shared.envelope import Envelope
 from genmesh.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -126,6 +127,18 @@ def test_blocks_a_running_request_holds_are_never_evicted() -> None:
     other.release()
     holder.release()
     assert pool.free_blocks == 4
+
+
+def test_usage_counts_held_blocks_and_a_shared_prefix_once() -> None:
+    """What slows the mock's decode steps (vLLM's `get_usage`)."""
+    pool = BlockPool(num_blocks=10, block_size=2)
+    run(pool, [1, 2, 3, 4])  # cached, free again
+    assert pool.held_blocks == 0
+    a, b = pool.open([1, 2, 3, 4, 5]), pool.open([1, 2, 3, 4, 6])
+    assert pool.held_blocks == 4  # the shared 2 blocks, and one block of its own each
+    a.release()
+    b.release()
+    assert pool.held_blocks == 0
 
 
 def test_output_blocks_are_cached_as_they_fill_without_the_last_sampled_token() -> None:
@@ -287,3 +300,42 @@ async def test_a_small_pool_evicts_and_says_so() -> None:
 
 def _le(tokens: list[int]) -> bytes:
     return b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+async def test_multimodal_items_key_the_mocks_blocks_as_the_router_keys_the_request() -> None:
+    """vLLM's extra keys (shared/kv_events.request_extra_keys) enter the mock's hashes and
+    its events, down to the block its output completes: the router's keys of the events
+    are the request's, and another image behind the same text is not a hit."""
+
+    def with_image(image: str) -> Envelope:
+        env = request(list(range(84)), max_tokens=13, ignore_eos=True)
+        env.format = "vllm"
+        env.engine = {
+            "features": {
+                "mm_hashes": {"image": [image]},
+                "mm_placeholders": {"image": [{"offset": 76, "length": 8}]},
+                "kwargs_data": {"image": ["YQ=="]},
+            }
+        }
+        return env
+
+    engine = mock(kv_blocks=64)
+    events = engine.kv_events()
+    assert events is not None
+    cat = with_image("c" * 64)
+    [o async for o in engine.generate(cat)]
+    seen: list[KvEvent] = []
+    while len(stored(seen)) < 2:
+        seen += (await asyncio.wait_for(anext(events), 1)).events
+    prompt_blocks, output_block = stored(seen)
+    # 84 + 13 tokens, the last not computed: 6 blocks of 16, the 6th completed by output
+    # (stored in the step that completed it, the prompt's after the prefill).
+    assert len(prompt_blocks.block_hashes) == 5
+    assert prompt_blocks.extra_keys == [None, None, None, None, (("c" * 64, 12),)]
+    assert output_block.parent_hash == prompt_blocks.block_hashes[-1]
+    assert output_block.extra_keys == [(("c" * 64, -4),)]
+    assert stored_keys(prompt_blocks) == request_block_keys(cat, 16)
+    dog = [o async for o in engine.generate(with_image("d" * 64))]
+    assert dog[0].cached_tokens == 64  # the text before the image
+    again = [o async for o in engine.generate(with_image("c" * 64))]
+    assert again[0].cached_tokens == 80

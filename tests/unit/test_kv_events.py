@@ -149,3 +149,31 @@ def test_a_cache_salt_keys_every_block_apart_from_the_first_on() -> None:
     assert salted[0] != plain[0]
     assert salted[1] != plain[1]  # chained: the salt reaches every later block
     assert salted == block_keys(TokenIds(tokens), 16, [("s",)])
+
+
+def test_vllm_positional_form_goes_on_past_lora_id_as_vllm_0_20_sends_it() -> None:
+    # vllm/distributed/kv_events.py before #42892: array_like structs with omit_defaults,
+    # so medium and lora_name (no defaults) always follow lora_id, then extra_keys.
+    stored = BlockStored([11, 12], 10, TokenIds(range(8)), 4, medium="GPU")
+    batch = KvEventBatch(2.5, [stored, BlockRemoved([11], "GPU")], 0)
+    raw = msgpack.unpackb(encode_engine_batch(batch, array_like=True, vllm=True))
+    assert raw == [
+        2.5,
+        [
+            ["BlockStored", [11, 12], 10, list(range(8)), 4, None, "GPU", None, [None, None]],
+            ["BlockRemoved", [11], "GPU"],
+        ],
+        0,
+    ]
+    decoded = decode_engine_batch(encode_engine_batch(batch, array_like=True, vllm=True))
+    assert decoded.events[0] == BlockStored(
+        [11, 12], 10, TokenIds(range(8)), 4, extra_keys=[None, None], medium="GPU"
+    )
+
+
+def test_map_form_keeps_the_batch_itself_positional() -> None:
+    # vLLM #42892 made the events maps; EventBatch stays array_like.
+    raw = msgpack.unpackb(
+        encode_engine_batch(KvEventBatch(1.0, [AllBlocksCleared()], 0), array_like=False)
+    )
+    assert raw == [1.0, [{"type": "AllBlocksCleared"}], 0]

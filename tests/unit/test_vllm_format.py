@@ -665,8 +665,8 @@ def test_fields_vllm_accepts_are_accepted_at_their_defaults(fields: dict[str, An
 @pytest.mark.parametrize(
     ("fields", "fragment", "param"),
     [
-        ({"features": {"mm_hashes": {}, "mm_placeholders": {}}}, "multimodal", "features"),
-        ({"content_parts": [{"type": "image_url"}]}, "multimodal", "features"),
+        ({"content_parts": [{"type": "image_url"}]}, "multimodal inputs as content_parts",
+         "content_parts"),
         ({"ec_transfer_params": {"a": 1}}, "encoder-cache", "ec_transfer_params"),
         ({"output_mode": "text"}, "output_mode 'text' is not supported", "output_mode"),
         ({"sampling_params": {"stop": "x"}}, "stop strings need a tokenizer", SP + "stop"),

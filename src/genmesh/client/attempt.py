@@ -73,6 +73,8 @@ class Attempt:
         # The client's own routing decision, when it routed the attempt itself.
         self.decision: Decision | None = None
         self.policy: str | None = None  # its policy, when the client routed it (traces)
+        # Seconds it waited in the client's admission queue, if it waited (traces).
+        self.waited_s: float | None = None
         self.deadline = deadline  # on the event loop's clock
         # The worker that acknowledged the attempt, once one did.
         self.worker: str | None = None
@@ -93,7 +95,7 @@ class Attempt:
         """Its frames, ending with one terminal frame (made up here if need be)."""
         client = self.client
         rid = self.envelope.id
-        refusal = self._route()
+        refusal = await self._route()
         token, queue = client.open_stream()
         # A span per attempt (a child of the caller's current span), ended by its terminal
         # frame, or below when the attempt is left without one. Without attempt spans,
@@ -103,6 +105,9 @@ class Attempt:
             if client.attempt_spans
             else None
         )
+        if self.waited_s is not None:
+            # On the attempt's span, or (under the frontend) the request's.
+            tracing.admission_waited(span.span if span is not None else None, self.waited_s)
         started_ns = time.time_ns() if span is None and tracing.tracer() is not None else 0
         finished = False
         frame: frames.Frame | None = None
@@ -143,19 +148,28 @@ class Attempt:
                 except Exception as exc:
                     log.warning("could not publish cancel for %s: %s", rid, exc)
 
-    def _route(self) -> frames.ErrFrame | None:
+    async def _route(self) -> frames.ErrFrame | None:
         """Set the subject the attempt goes to; the `err` frame that ends it at once when
         the client routes and no worker may serve it: the refusal a router would send
-        (`frames.err`, seq 0), so that the caller cannot tell who routed."""
+        (`frames.err`, seq 0), so that the caller cannot tell who routed. A busy mesh may
+        hold it in the admission queue first (`routing/admission.py`)."""
         client = self.client
         if self.subject:
             return None
-        if client.router is None:
+        router = client.router
+        if router is None:
             self.subject = client.subjects.router_generate
             return None
-        self.policy = client.router.policy.name
+        self.policy = router.policy.name
         try:
-            self.decision = client.router.choose(self.envelope)
+            decision = router.choose(self.envelope)
+            if decision is None:
+                since = time.monotonic()
+                try:
+                    decision = await router.wait(self.envelope)
+                finally:
+                    self.waited_s = time.monotonic() - since
+            self.decision = decision
         except MeshError as error:
             log.info(
                 "request %s not routed: %s: %s", self.envelope.id, error.code.value, error.message
@@ -211,6 +225,10 @@ class Attempt:
             return self._failed(item.reason, item.code, item.message)
         self._silent_since = self._reassured_at = loop.time()
         frame = self._read(item)
+        if frame is not None and frame["t"] == frames.KA and frame["seq"] == frames.HELD_SEQ:
+            # A router holds it in its admission queue: alive, not yet acknowledged (the
+            # acknowledgement timeout starts again); outside the stream's numbering.
+            return None
         self._expected_seq += 1
         if frame is not None and frame["t"] == frames.ACK:
             self.worker = frame["worker"]
@@ -337,7 +355,8 @@ class Attempt:
             return frames.synthetic_err(rid, ErrorCode.INTERNAL, f"unreadable reply frame: {exc}")
         # Rejections sent before a worker admitted the request carry seq 0 as well.
         expected = self._expected_seq
-        if seq != expected and (frame is None or frame["t"] != frames.ERR):
+        held = seq == frames.HELD_SEQ and frame is not None and frame["t"] == frames.KA
+        if seq != expected and (frame is None or frame["t"] != frames.ERR) and not held:
             return self._failed(
                 MigrationReason.FRAMES_LOST,
                 ErrorCode.UNAVAILABLE,

@@ -31,7 +31,7 @@ from genmesh.client.migration import (
     Quarantine,
 )
 from genmesh.codecs import Codec, get_codec
-from genmesh.routing.choice import Chooser
+from genmesh.routing.admission import Admission
 from genmesh.shared import frames
 from genmesh.shared.bus import (
     check_subscriptions,
@@ -120,7 +120,7 @@ class MeshClient:
         ping_after_s: float = DEFAULT_PING_AFTER_S,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         directory: WorkerDirectory | None = None,
-        router: Chooser | None = None,
+        router: Admission | None = None,
         owns_connection: bool = False,
         attempt_spans: bool = True,
     ) -> None:

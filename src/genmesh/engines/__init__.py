@@ -11,12 +11,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from genmesh.engines.base import Engine
     from genmesh.engines.mock import MockConfig
+    from genmesh.engines.zmq_events import ZmqEventsConfig
 
 ENGINES = ("mock", "sglang", "vllm")
 
 
-def create_engine(name: str, *, url: str | None = None, mock: MockConfig | None = None) -> Engine:
+def create_engine(
+    name: str,
+    *,
+    url: str | None = None,
+    mock: MockConfig | None = None,
+    kv_events: ZmqEventsConfig | None = None,
+) -> Engine:
     if name == "mock":
+        if kv_events is not None and kv_events.endpoint:
+            raise ValueError(
+                "--engine-kv-events is for an SGLang/vLLM server; the mock engine reports "
+                "its own cache"
+            )
         from genmesh.engines.mock import MockEngine
 
         return MockEngine(mock)
@@ -27,6 +39,8 @@ def create_engine(name: str, *, url: str | None = None, mock: MockConfig | None 
     from genmesh.engines.http import HttpEngineConfig
 
     config = HttpEngineConfig(url=url)
+    if kv_events is not None:
+        config = HttpEngineConfig(url=url, kv_events=kv_events)
     if name == "sglang":
         from genmesh.engines.sglang import SglangEngine
 

@@ -42,6 +42,16 @@ class EngineOutput:
     engine: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class KvUsage:
+    """An engine's KV cache, in blocks: how many it has, and how many its running
+    requests hold (cached blocks that nothing running holds are free: they are evicted
+    when needed, as vLLM's and SGLang's pools count them)."""
+
+    used_blocks: int
+    total_blocks: int
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     """The `usage` of a last output."""
     return {
@@ -84,6 +94,11 @@ class Engine(Protocol):
     async def flush_cache(self) -> None:
         """Empty the engine's prefix cache. Raises `MeshError` when the engine refuses
         (SGLang does while it has requests) or fails."""
+        ...
+
+    def kv_usage(self) -> KvUsage | None:
+        """The KV cache's use now (read whenever the worker announces its load, so it
+        must be cheap); None when the engine cannot say."""
         ...
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:

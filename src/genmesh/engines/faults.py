@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from genmesh.engines.base import Engine, EngineOutput, usage
+from genmesh.engines.base import Engine, EngineOutput, KvUsage, usage
 from genmesh.engines.coalesce import split
 from genmesh.engines.http import incomplete, unavailable
 from genmesh.shared.envelope import Envelope
@@ -152,6 +152,9 @@ class FaultyEngine:
 
     async def flush_cache(self) -> None:
         await self.inner.flush_cache()
+
+    def kv_usage(self) -> KvUsage | None:
+        return self.inner.kv_usage()
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
         return self.inner.kv_events()

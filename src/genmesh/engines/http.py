@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 
+from genmesh.engines.base import KvUsage
+from genmesh.engines.zmq_events import ZmqEventsConfig, ZmqKvEvents
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.kv_events import KvEventBatch
 
@@ -28,6 +30,8 @@ class HttpEngineConfig:
     # Seconds an abort call may take; aborts are best effort.
     abort_timeout_s: float = 2.0
     health_timeout_s: float = 2.0
+    # Where the server publishes its KV events (none unless its endpoint is given).
+    kv_events: ZmqEventsConfig = field(default_factory=ZmqEventsConfig)
 
     @property
     def base(self) -> str:
@@ -36,11 +40,13 @@ class HttpEngineConfig:
 
 class HttpEngineBase:
     """The HTTP session every HTTP engine adapter owns: made inside the running loop on
-    first use, closed (and made again if needed) by close()."""
+    first use, closed (and made again if needed) by close(); and the subscription to the
+    server's KV events when it publishes them."""
 
     def __init__(self, config: HttpEngineConfig) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
+        self._kv_events = ZmqKvEvents(config.kv_events) if config.kv_events.endpoint else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -52,11 +58,18 @@ class HttpEngineBase:
         self.session  # noqa: B018 - created here, inside the running loop
 
     async def close(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     def kv_events(self) -> AsyncIterator[KvEventBatch] | None:
+        return self._kv_events.batches() if self._kv_events is not None else None
+
+    def kv_usage(self) -> KvUsage | None:
+        # The servers say it only over HTTP (SGLang's /get_load, vLLM's /metrics): a round
+        # trip per load announcement is not cheap, so their workers' cards leave it out.
         return None
 
     async def post_admin(self, path: str, payload: Any = None) -> tuple[int, str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from genmesh import __version__
 from genmesh.codecs.int32 import all_below, to_le_bytes
-from genmesh.engines.base import EngineOutput, usage
+from genmesh.engines.base import EngineOutput, KvUsage, usage
 from genmesh.engines.kv_feed import KvEventFeed
 from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
 from genmesh.engines.prefix_cache import BlockPool, RequestBlocks
@@ -30,6 +30,7 @@ from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
 from genmesh.shared.kv_events import KvEventBatch, request_extra_keys
+from genmesh.shared.multimodal import FeaturesError, envelope_items
 from genmesh.shared.settings import non_negative_float, option, positive_int
 
 _MASK = (1 << 64) - 1
@@ -213,7 +214,7 @@ class MockConfig:
         None,
         flag="--mock-kv-blocks",
         parse=positive_int,
-        help="blocks of the mock's KV cache (max_total_num_tokens = blocks x block size); "
+        help="blocks of a mock worker's KV cache (max_total_num_tokens = blocks x block size); "
         "giving it turns the prefix cache on; unset: 1048576 tokens' worth, cache off",
     )
     sampling_defaults: SamplingDefaults = option(
@@ -317,6 +318,16 @@ class MockEngine:
         per step (kv_feed.py); None without a cache."""
         return self._kv_feed.subscribe() if self.cache is not None else None
 
+    def kv_usage(self) -> KvUsage:
+        """The blocks its running requests hold out of all: with the cache, the pool's
+        held blocks, a prefix running requests share counted once (vLLM's
+        `BlockPool.get_usage`); without it, every running request's tokens (prompt and
+        output so far) in blocks. Cached blocks nothing running holds are free."""
+        if self.cache is not None:
+            return KvUsage(self.cache.held_blocks, self.cache.num_blocks)
+        size, total = self.config.block_size, self.config.kv_capacity_blocks
+        return KvUsage(min(-(-self._active_kv_tokens // size), total), total)
+
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {
@@ -364,6 +375,12 @@ class MockEngine:
                         ErrorCode.INVALID_ARGUMENT,
                         f"the mock engine cannot do guided decoding ({key})",
                     )
+        try:
+            # No vision model: items only key the prefix cache, but a layout vLLM refuses
+            # is refused in its words.
+            envelope_items(env)
+        except FeaturesError as exc:
+            raise MeshError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
         lora = env.engine.get("lora_path")
         if lora is not None:
             raise MeshError(
@@ -461,7 +478,10 @@ class MockEngine:
 
         blocks: RequestBlocks | None = None
         if self.cache is not None:
-            blocks = self.cache.open(prompt, request_extra_keys(env))
+            # Keys for every block the sequence may fill: an item in the prompt's last
+            # partial block keys the block its output completes too.
+            extra = request_extra_keys(env, self.config.block_size, len(prompt) + budget)
+            blocks = self.cache.open(prompt, extra)
         cached = blocks.cached_tokens if blocks is not None else 0
         aborted = self._running.setdefault(env.id, asyncio.Event())
         kv = len(prompt)
@@ -505,10 +525,11 @@ class MockEngine:
                             blocks.extend(out.tokens)
                         yield out
                         out = EngineOutput(tokens=[])
-                    kv_fraction = self._active_kv_tokens / (
-                        self.config.kv_capacity_blocks * self.config.block_size
-                    )
-                    await self._sleep_ms(decode_step_ms(kv_fraction))
+                    # What slows a step: the share of the cache in use (Dynamo's
+                    # mocker, lib/mocker scheduler `simulate_decode`: its active blocks
+                    # over its capacity).
+                    held = self.kv_usage()
+                    await self._sleep_ms(decode_step_ms(held.used_blocks / held.total_blocks))
                 if aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
                     out.finish = {"reason": "abort", "message": "Aborted"}

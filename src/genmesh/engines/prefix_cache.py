@@ -105,11 +105,13 @@ class BlockPool:
         return len(self._free) + self._unused
 
     @property
+    def held_blocks(self) -> int:
+        """Blocks running requests hold (vLLM's `get_usage` is their share)."""
+        return self.num_blocks - self.free_blocks
+
+    @property
     def cached_blocks(self) -> int:
         return len(self._cached)
-
-    def is_cached(self, block_hash: bytes) -> bool:
-        return block_hash in self._cached
 
     def take_events(self) -> list[KvEvent]:
         """The events queued since the last call, oldest first (vLLM's `take_events`)."""
@@ -254,7 +256,7 @@ class RequestBlocks:
             if i == len(self._hashes):
                 block_tokens = to_le_bytes(self._tokens[i * size : (i + 1) * size])
                 parent = self._hashes[i - 1] if i else None
-                self._hashes.append(mock_block_hash(parent, block_tokens, None))
+                self._hashes.append(mock_block_hash(parent, block_tokens, self._extra_of(i)))
             block_hash = self._hashes[i]
             existing = pool._lookup(block_hash)
             if existing is None:

@@ -44,6 +44,7 @@ from genmesh.shared.engine_info import EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
+from genmesh.shared.multimodal import FeaturesError, envelope_items
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def new_dispatch_rid() -> str:
 def sglang_body(env: Envelope, rid: str) -> dict[str, Any]:
     """The native request for one dispatch: the client's own fields if it spoke SGLang,
     then everything the envelope decides (budget, logprobs, ...), which wins."""
+    _refuse_vllm_multimodal(env)
     body = (
         {k: v for k, v in env.engine.items() if k not in _OWNED} if env.format == "sglang" else {}
     )
@@ -123,6 +125,20 @@ def sglang_body(env: Envelope, rid: str) -> dict[str, Any]:
     body["rid"] = rid
     body["stream"] = True
     return body
+
+
+def _refuse_vllm_multimodal(env: Envelope) -> None:
+    """vLLM's rendered multimodal items mean nothing to SGLang, which would read each image
+    as its placeholder tokens: refused rather than answered without the image."""
+    try:
+        multimodal = bool(envelope_items(env))
+    except FeaturesError:
+        multimodal = True
+    if multimodal:
+        raise MeshError(
+            ErrorCode.INVALID_ARGUMENT,
+            "multimodal features (vLLM's rendered items) cannot be served by an SGLang engine",
+        )
 
 
 def _positive(value: Any) -> int | None:

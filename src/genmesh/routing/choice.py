@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.policies import Policy
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope
@@ -20,16 +21,31 @@ class Decision:
     candidates: list[WorkerInfo]
 
 
-class Chooser:
-    """Chooses a worker per envelope among `directory`'s live workers, with `policy`."""
+class WorkersBusy(MeshError):
+    """Every eligible worker is full, or busy past a threshold: the request may wait for
+    one (`routing/admission.py`); refused, it is `overloaded`."""
 
-    def __init__(self, directory: WorkerDirectory, policy: Policy) -> None:
+    def __init__(self, eligible: int, thresholds: bool) -> None:
+        what = "busy or at capacity" if thresholds else "at capacity"
+        super().__init__(ErrorCode.OVERLOADED, f"all {eligible} eligible workers are {what}")
+
+
+class Chooser:
+    """Chooses a worker per envelope among `directory`'s live workers, with `policy`,
+    leaving out the workers that are full or (with `admission`'s thresholds) busy."""
+
+    def __init__(
+        self, directory: WorkerDirectory, policy: Policy, admission: AdmissionConfig | None = None
+    ) -> None:
         self.directory = directory
         self.policy = policy
+        # Only when a threshold is set: without, the check costs nothing.
+        self._busy = admission if admission is not None and admission.thresholds else None
 
     def choose(self, envelope: Envelope) -> Decision:
         """The worker for `envelope`, counted as sent to it (its load until its next
-        report); or MeshError (no_worker, not_found, overloaded) saying why there is none."""
+        report); or MeshError saying why there is none (no_worker, not_found; overloaded
+        as `WorkersBusy`)."""
         routing = envelope.routing
         directory = self.directory
         workers = directory.live()
@@ -63,10 +79,11 @@ class Chooser:
                 f"none of the {len(workers)} known workers is eligible ({', '.join(wanted)})",
             )
         free = [w for w in eligible if not w.full]
+        busy = self._busy
+        if busy is not None:
+            free = [w for w in free if not busy.busy(w)]
         if not free:
-            raise MeshError(
-                ErrorCode.OVERLOADED, f"all {len(eligible)} eligible workers are at capacity"
-            )
+            raise WorkersBusy(len(eligible), busy is not None)
         # Excluded workers are a last resort, not banned: a worker that failed a request may
         # have failed for a passing reason (a NATS reconnect, an engine restart), discovery
         # drops the dead ones, and the migration limit bounds the retries.
@@ -75,6 +92,8 @@ class Chooser:
             free = [w for w in free if w.id not in excluded] or free
         worker = self.policy.choose(free, envelope)
         directory.note_sent(worker)
+        if busy is not None:
+            busy.note_sent(worker, envelope)
         return Decision(worker, free)
 
     def ended(self, decision: Decision) -> None:

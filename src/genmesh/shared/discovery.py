@@ -57,6 +57,14 @@ class WorkerInfo:
     expires_after: float = field(default=EXPIRY_HEARTBEATS * DEFAULT_HEARTBEAT_S)
     # The card's `engine_info`, parsed when it changes.
     engine_info: EngineInfo | None = None
+    # Its last load report's admitted requests the engine has not started yet, and its KV
+    # blocks held by running requests out of all it has (None: not announced).
+    queued: int = 0
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    # The prompt blocks of the requests sent since that report (counted only where a KV
+    # threshold needs them: routing/busy.py).
+    kv_blocks_sent: int = 0
 
     @property
     def load(self) -> int:
@@ -79,6 +87,8 @@ class WorkerInfo:
 
 
 Listener = Callable[[str, WorkerInfo], None]
+# Told after every card a worker announces (its load report), and after membership changes.
+ReportListener = Callable[[], None]
 
 
 class WorkerDirectory:
@@ -89,6 +99,7 @@ class WorkerDirectory:
         # Router id -> (last seen, seconds it may stay silent).
         self.routers: dict[str, tuple[float, float]] = {}
         self._listeners: list[Listener] = []
+        self._report_listeners: list[ReportListener] = []
         self._sub: Subscription | None = None
         self._tasks = TaskOwner("worker directory")
 
@@ -97,6 +108,11 @@ class WorkerDirectory:
         expired, or left because its engine is down); "draining" (it left to stop cleanly:
         it still finishes, or hands back, what it runs)."""
         self._listeners.append(listener)
+
+    def on_report(self, listener: ReportListener) -> None:
+        """Call `listener()` whenever the workers' loads may have changed: after every
+        card (a load report or heartbeat) and every membership change."""
+        self._report_listeners.append(listener)
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(self.subjects.discovery, cb=self._on_message)
@@ -133,6 +149,13 @@ class WorkerDirectory:
             except Exception:
                 log.exception("discovery listener failed")
 
+    def _reported(self) -> None:
+        for listener in self._report_listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("discovery report listener failed")
+
     async def _on_message(self, msg: Msg) -> None:
         if msg.subject == self.subjects.query:
             return
@@ -152,6 +175,7 @@ class WorkerDirectory:
                 draining = obj.get("draining") is True
                 log.info("worker %s left%s", gone.id, " to drain" if draining else "")
                 self._emit("draining" if draining else "removed", gone)
+                self._reported()
         elif msg.subject == self.subjects.announce:
             self._update(obj)
 
@@ -193,7 +217,12 @@ class WorkerDirectory:
         worker.inflight = inflight
         worker.capacity = capacity
         worker.sent_since_report = 0
+        worker.kv_blocks_sent = 0
         worker.expires_after = EXPIRY_HEARTBEATS * float(heartbeat)
+        worker.queued = _count(card.get("queued")) or 0
+        worker.kv_blocks_used = _count(card.get("kv_blocks_used"))
+        worker.kv_blocks_total = _count(card.get("kv_blocks_total"))
+        self._reported()
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -212,3 +241,10 @@ class WorkerDirectory:
                         now - worker.last_seen,
                     )
                     self._emit("removed", worker)
+                    self._reported()
+
+
+def _count(value: object) -> int | None:
+    """A card's optional count: a non-negative int, else None (absent, or from a peer that
+    gets it wrong: treated as not announced, never as a refusal of the whole card)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -115,6 +115,15 @@ def ka(request_id: str) -> KaFrame:
     return {"t": KA, "id": request_id, "seq": 0}
 
 
+# The `seq` of the `ka` a router sends while it holds a request in its admission queue
+# (docs/protocol.md §6.4): outside the stream's numbering, which the worker's `ack` starts.
+HELD_SEQ = -1
+
+
+def held(request_id: str) -> KaFrame:
+    return {"t": KA, "id": request_id, "seq": HELD_SEQ}
+
+
 def err(request_id: str | None, seq: int, error: MeshError) -> ErrFrame:
     frame: ErrFrame = {
         "t": ERR,

@@ -6,7 +6,8 @@ Three shapes of the same facts live here, each with its codec:
   `[topic, seq (8-byte big-endian), payload]`; the payload a msgpack `KVEventBatch`). Older
   vLLM and SGLang encode the batch and its events `array_like` (positional arrays, each
   event's first element its tag: `["BlockStored", hashes, parent, token_ids, block_size,
-  lora_id, ...]`); newer vLLM encodes maps (`{"type": "BlockStored", "block_hashes": ...}`).
+  lora_id, ...]`); vLLM after 0.23 (#42892) encodes the events as maps
+  (`{"type": "BlockStored", "block_hashes": ...}`) in a batch that stays positional.
   `decode_engine_batch` reads both; trailing fields a version added are optional.
   (vllm/distributed/kv_events.py; sglang/srt/disaggregation/kv_events.py.)
 - **genmesh's on NATS** (`genmesh.<ns>.kv.<wid>`, docs/protocol.md "KV events"): one
@@ -22,6 +23,7 @@ Three shapes of the same facts live here, each with its codec:
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,9 @@ import xxhash
 
 from genmesh.codecs.int32 import from_le_bytes, to_le_bytes
 from genmesh.shared.envelope import Envelope, TokenIds
+from genmesh.shared.multimodal import FeaturesError, MmItem, envelope_items
+
+log = logging.getLogger(__name__)
 
 # An engine's block hash: an int (older vLLM, SGLang) or bytes (newer vLLM's sha256).
 EngineHash = int | bytes
@@ -164,10 +169,16 @@ def decode_engine_batch(payload: bytes) -> KvEventBatch:
     return KvEventBatch(float(ts), [_engine_event(e) for e in events], rank)
 
 
-def encode_engine_batch(batch: KvEventBatch, *, array_like: bool = True) -> bytes:
-    """`batch` as an engine publishes it: `array_like` as SGLang and vLLM up to 0.10 do
-    (SGLang's `BlockStored` ends at `lora_id`, `BlockRemoved` at its hashes), else as
-    newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`)."""
+def encode_engine_batch(
+    batch: KvEventBatch, *, array_like: bool = True, vllm: bool = False
+) -> bytes:
+    """`batch` as an engine publishes it: events `array_like` as SGLang and vLLM up to
+    0.23 do, else as newer vLLM's maps (with `medium`, `lora_name` and `extra_keys`).
+    Arrays end where SGLang's do (`BlockStored` at `lora_id`, `BlockRemoved` at its
+    hashes) unless `vllm`: vLLM's positional structs go on with `medium` and `lora_name`
+    (no defaults, always sent) and `extra_keys` (one entry per block, None for a plain
+    block), msgspec omitting only trailing defaults (vllm/distributed/kv_events.py, v0.11
+    to v0.23; `group_idx` and the cache-spec fields after it are left at their defaults)."""
     events: list[Any] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
@@ -178,29 +189,34 @@ def encode_engine_batch(batch: KvEventBatch, *, array_like: bool = True) -> byte
                 e.block_size,
                 e.lora_id,
             ]
-            if array_like:
+            extra = [list(k) if k is not None else None for k in e.extra_keys or ()]
+            if array_like and vllm:
+                per_block = extra or [None] * len(e.block_hashes)
+                events.append(["BlockStored", *values, e.medium, None, per_block])
+            elif array_like:
                 events.append(["BlockStored", *values])
             else:
-                extra = [list(k) if k is not None else None for k in e.extra_keys or ()]
                 fields = dict(zip(_STORED_FIELDS, values, strict=False))
                 fields.update(medium=e.medium, lora_name=None, extra_keys=extra or None)
                 events.append({"type": "BlockStored", **fields})
         elif isinstance(e, BlockRemoved):
-            events.append(
-                ["BlockRemoved", e.block_hashes]
-                if array_like
-                else {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
-            )
+            if array_like:
+                removed: Any = ["BlockRemoved", e.block_hashes]
+                if vllm:
+                    removed.append(e.medium)
+                events.append(removed)
+            else:
+                events.append(
+                    {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
+                )
         else:
             events.append(["AllBlocksCleared"] if array_like else {"type": "AllBlocksCleared"})
-    if array_like:
-        body: Any = [batch.ts, events]
-        if batch.data_parallel_rank is not None:
-            body.append(batch.data_parallel_rank)
-    else:
-        body = {"ts": batch.ts, "events": events}
-        if batch.data_parallel_rank is not None:
-            body["data_parallel_rank"] = batch.data_parallel_rank
+    # The batch itself stays positional in every version: vLLM's #42892 made only the
+    # events maps (its EventBatch keeps array_like; captured from v0.26:
+    # `[ts, [{"type": "BlockStored", ...}], 0]`).
+    body: list[Any] = [batch.ts, events]
+    if batch.data_parallel_rank is not None:
+        body.append(batch.data_parallel_rank)
     payload: bytes = msgpack.packb(body, use_bin_type=True)
     return payload
 
@@ -354,12 +370,19 @@ class KvSnapshotPage:
 ROOT_SEED = 1337
 
 
-def extra_bytes(keys: tuple[Any, ...] | None) -> bytes:
+def extra_bytes(keys: Sequence[Any] | None) -> bytes:
     """A block's extra keys as bytes that enter its key: the same on both sides (a
-    request's multimodal items, and a stored event's `extra_keys`)."""
+    request's multimodal items and cache salt, and a stored event's `extra_keys`). A key
+    may itself be a sequence (vLLM's multimodal `(hash, offset)`), which the engine's
+    msgpack and the bus deliver as a list: a tuple and a list of the same keys are the
+    same bytes. (vLLM's keys nest no deeper.)"""
     if not keys:
         return b""
-    return b"\x1f".join(str(k).encode() for k in keys)
+    return b"\x1f".join(
+        [b"(" + b"\x1f".join([str(x).encode() for x in k]) + b")"
+         if isinstance(k, list | tuple) else str(k).encode()
+         for k in keys]
+    )  # fmt: skip
 
 
 def block_keys(
@@ -390,16 +413,56 @@ def stored_keys(event: BlockStored, parent: int = ROOT_SEED) -> list[int]:
     return block_keys(event.token_ids, event.block_size, event.extra_keys, parent)
 
 
-def request_extra_keys(envelope: Envelope) -> list[tuple[Any, ...] | None] | None:
-    """Per prompt block, what besides its tokens goes into its key, in vLLM's order
-    (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py): multimodal
-    items, then the cache salt, which only the first block carries. None: nothing."""
-    salt = envelope.routing.cache_salt
-    if not salt:
-        return None
-    return [(salt,)]
+def mm_block_keys(items: Sequence[MmItem], block_size: int, blocks: int) -> list[list[Any]]:
+    """Per block (of `blocks`), the multimodal extra keys vLLM gives it
+    (`_gen_mm_extra_hash_keys`, vllm/v1/core/kv_cache_utils.py): for each item the block
+    touches, in prompt order, `(item hash, item offset - block start)` (negative for an
+    item that began in an earlier block). vLLM walks every block past the items; this
+    walks each item's blocks, which gives the same keys for the blocks items touch only."""
+    keys: list[list[Any]] = [[] for _ in range(blocks)]
+    for item in items:
+        last = min((item.offset + item.length - 1) // block_size, blocks - 1)
+        for block in range(item.offset // block_size, last + 1):
+            keys[block].append((item.identifier, item.offset - block * block_size))
+    return keys
+
+
+def request_extra_keys(
+    envelope: Envelope, block_size: int, length: int | None = None
+) -> list[tuple[Any, ...] | None] | None:
+    """Per block of a request, what besides its tokens goes into its key, as vLLM's
+    `generate_block_hash_extra_keys` (vllm/v1/core/kv_cache_utils.py) makes it and newer
+    vLLM's `BlockStored.extra_keys` report it: the multimodal items the block touches
+    (`mm_block_keys`), then the cache salt, which only the first block carries (LoRA
+    names would come first; the mesh routes none). `length` tokens are covered (default
+    the prompt; an engine caching prompt and output passes their length); entries past
+    the end of the list are None, and None is nothing at all.
+
+    Features vLLM would refuse (a client speaking the envelope is not checked by the
+    vLLM format) leave the text-only keys: the engine refuses the request anyway."""
+    try:
+        items = envelope_items(envelope)
+    except FeaturesError as exc:
+        log.warning("request %s: routed on its tokens alone: %s", envelope.id, exc)
+        items = []
+    covered = len(envelope.token_ids) if length is None else length
+    return block_extra_keys(items, envelope.routing.cache_salt, block_size, covered)
+
+
+def block_extra_keys(
+    items: Sequence[MmItem], salt: str | None, block_size: int, length: int
+) -> list[tuple[Any, ...] | None] | None:
+    """`request_extra_keys` from a request's parts: its multimodal items (in prompt
+    order) and cache salt, over `length` tokens; for an engine that has no envelope (the
+    testkit's vLLM server)."""
+    if not items:
+        return [(salt,)] if salt else None
+    per_block = mm_block_keys(items, block_size, length // block_size)
+    if salt and per_block:
+        per_block[0].append(salt)
+    return [tuple(keys) if keys else None for keys in per_block]
 
 
 def request_block_keys(envelope: Envelope, block_size: int) -> list[int]:
     """The router's keys of the full blocks of a request's prompt."""
-    return block_keys(envelope.token_ids, block_size, request_extra_keys(envelope))
+    return block_keys(envelope.token_ids, block_size, request_extra_keys(envelope, block_size))

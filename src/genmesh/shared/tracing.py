@@ -82,6 +82,8 @@ ROUTER = "genmesh.router"
 ROUTER_POLICY = "genmesh.router.policy"
 ROUTER_CANDIDATES = "genmesh.router.candidates"
 ROUTER_CANDIDATE_IDS = "genmesh.router.candidate_ids"
+# Milliseconds the request waited in an admission queue for a worker (only if it waited).
+ADMISSION_WAIT_MS = "genmesh.admission.wait_ms"
 ENGINE = "genmesh.engine"
 TOKENS_OUTPUT = "genmesh.tokens.output"
 FINISH_REASON = "genmesh.finish_reason"
@@ -342,6 +344,16 @@ def inject_current(headers: dict[str, str]) -> dict[str, str]:
     else:
         propagate.inject(out)
     return out
+
+
+def admission_waited(span: Span | None, seconds: float) -> None:
+    """Note on `span` (None: the current span) how long its request waited in an
+    admission queue."""
+    if _tracer is None:
+        return
+    target = span if span is not None else trace.get_current_span()
+    if target.is_recording():
+        target.set_attribute(ADMISSION_WAIT_MS, round(seconds * 1000.0, 3))
 
 
 def nats_attributes(subject: str, operation: str, operation_type: str) -> dict[str, Any]:

@@ -32,8 +32,23 @@ class MockServerConfig:
     preferred_sampling_params: str | None = option(
         None, help="SGLang: default sampling params, as JSON"
     )
+    # SGLang's and vLLM's --kv-events-config (validated as each engine validates it): the
+    # server keeps a prefix cache and publishes its events over ZMQ (testkit/kv_cache.py).
+    kv_events_config: str | None = option(
+        None,
+        flag="--kv-events-config",
+        env="GENMESH_TESTKIT_KV_EVENTS_CONFIG",
+        help="publish KV cache events over ZMQ as the engine does, and keep a prefix cache "
+        '(the engine\'s JSON: SGLang \'{"publisher": "zmq", "endpoint": '
+        '"tcp://*:5557"}\', vLLM \'{"enable_kv_cache_events": true, ...}\')',
+    )
     # SGLang: --incremental-streaming-output (deltas) instead of cumulative chunks.
     incremental: bool = option(False, help="SGLang: incremental (delta) streaming output")
+    # vLLM: --enable-prompt-tokens-details; without it vLLM's usage never says what was
+    # cached (and with it, only when something was: `if enable... and num_cached_tokens`).
+    enable_prompt_tokens_details: bool = option(
+        False, help="vLLM: usage reports prompt_tokens_details.cached_tokens"
+    )
     # vLLM: --tokens-only, which also registers POST /abort_requests.
     tokens_only: bool = option(
         True, flag="--no-tokens-only", help="vLLM: without --tokens-only (no /abort_requests)"

@@ -69,13 +69,15 @@ def frontend_configs(config: UpConfig, mesh: MeshConnection) -> list[tuple[str, 
     """(name, config) of each frontend. Several share the port (SO_REUSEPORT) and so must
     differ in what they write: each its own request-trace file. Their /metrics are each
     one frontend's (docs/performance.md, "More than one frontend")."""
-    # Each frontend routes with the routers' policy (`--router-policy` reaches both).
+    # Each frontend routes with the routers' policy and admission control (`--router-policy`
+    # and the `--busy-*`/`--admission-*` options reach both).
     base = replace(
         config.frontend,
         mesh=mesh,
         auth=config.auth,
         router_policy=config.router.policy,
         kv=config.router.kv,
+        admission=config.router.admission,
         api_key=None,
         admin_api_key=None,
     )

@@ -2,7 +2,10 @@
 
 The server behaves like vLLM started with `--tokens-only` (reference `engine-apis.md` §B):
 token ids in, token ids out, no tokenizer, so stop strings, `bad_words` and multimodal
-`features` are refused with 400 (when sent non-empty).
+`content_parts` are refused with 400 (when sent non-empty). Multimodal `features` (the
+rendered form: item hashes, placeholder ranges, processed tensors) are checked as vLLM
+checks them and travel in `engine` to the engine; routing reads their layout
+(`shared/multimodal`).
 
 IDs. The client's ID is the trimmed, non-empty `X-Request-Id` header, else the body's
 `request_id` (the header wins, as in vLLM and Dynamo); it travels only as `client_id` and
@@ -242,8 +245,10 @@ class VllmOptions:
     # vLLM's `should_include_usage(stream_options)`.
     include_usage: bool
     continuous_usage: bool
-    # `return_token_ids`: the prompt token ids in the unary body and the first SSE chunk.
+    # `return_token_ids`: the prompt token ids in the unary body and the first SSE chunk,
+    # with the multimodal placeholders of a request that has `features` (else None).
     return_token_ids: bool = False
+    mm_placeholders: dict[str, list[dict[str, int]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,9 +300,11 @@ def _priority(value: int) -> int:
 def _refuse_what_this_server_cannot_do(req: GenerateRequest, sp: SamplingParams) -> None:
     """Values that ask for what a tokens-only, text-only mesh cannot deliver. Absent,
     null or default values never get here: only a value that asks for the behaviour."""
-    if req.features is not None or req.content_parts:
-        raise _reject("multimodal inputs (features, content_parts) are not supported "
-                      "by this server", "features")  # fmt: skip
+    if req.content_parts:
+        # vLLM fetches and processes the media itself here, which needs the model's
+        # processor; rendered `features` (from vLLM's /render) are served.
+        raise _reject("multimodal inputs as content_parts are not supported by this server; "
+                      "send them rendered, as features", "content_parts")  # fmt: skip
     if req.ec_transfer_params:
         raise _reject("encoder-cache transfer (ec_transfer_params) is not supported "
                       "by this server", "ec_transfer_params")  # fmt: skip
@@ -466,6 +473,10 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
                       "sampling_params.seed")  # fmt: skip
     # The native payload as the client sent it, minus what the mesh handles itself.
     native = {k: v for k, v in body.items() if k not in _NOT_FORWARDED}
+    if req.features is not None:
+        # As validated (pydantic's lax "8" is 8): what routing and engines read of the
+        # layout is what vLLM read.
+        native["features"] = req.features.model_dump(exclude_unset=True)
     _check_wire_ints(native)
     _refuse_what_this_server_cannot_do(req, sp)
     prompt = _check_token_ids(req.token_ids, sp)
@@ -523,6 +534,12 @@ def bind(body: Any, headers: Mapping[str, str], engines: EngineCatalog = NO_ENGI
         include_usage=include_usage,
         continuous_usage=continuous,
         return_token_ids=bool(req.return_token_ids),
+        mm_placeholders=None
+        if req.features is None
+        else {
+            modality: [{"offset": p.offset, "length": p.length} for p in ranges]
+            for modality, ranges in req.features.mm_placeholders.items()
+        },
     )
     return Bound(
         items=items,

@@ -9,7 +9,8 @@ vLLM's per-position logprob map: the sampled token first, then the best alternat
 (so with greedy decoding it is exactly the top k). Logprobs are clamped to >= -9999.0.
 
 With `return_token_ids` the unary body, and the stream's first chunk, also carry
-`prompt_token_ids` (the newest builds' field; no multimodal placeholders here).
+`prompt_token_ids` (the newest builds' field), and `mm_placeholders` when the request
+had multimodal `features`.
 
 SSE (which vLLM's older builds lack): one `{request_id, choices: [one choice with deltas],
 usage}` per frame; frames with no token, no finish reason and nothing else to carry are
@@ -288,6 +289,8 @@ class VllmExchange(Exchange):
         if self.prompt_ids_pending:
             self.prompt_ids_pending = False
             chunk["prompt_token_ids"] = self.prompt.tolist()
+            if self.options.mm_placeholders is not None:
+                chunk["mm_placeholders"] = self.options.mm_placeholders
         if isinstance(engine, dict):
             for key in TOP_LEVEL_METADATA:
                 if engine.get(key) is not None:
@@ -318,6 +321,8 @@ class VllmExchange(Exchange):
         }
         if self.options.return_token_ids:
             out["prompt_token_ids"] = self.prompt.tolist()
+            if self.options.mm_placeholders is not None:
+                out["mm_placeholders"] = self.options.mm_placeholders
         for key in TOP_LEVEL_METADATA:
             for record in items:
                 engine = record.get("engine")

@@ -43,6 +43,7 @@ from pydantic.dataclasses import dataclass
 from pydantic_core import core_schema
 
 from genmesh.shared.envelope import TokenIds, pack_token_ids
+from genmesh.shared.multimodal import FeaturesError, MmItem, check_bounds, check_layout
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
@@ -364,15 +365,44 @@ class StreamOptions(BaseModel):
 
 
 class PlaceholderRangeInfo(BaseModel):
+    # vLLM ignores unknown keys; they are kept here so that the engine still gets what a
+    # newer client sends (e.g. newest vLLM's `is_embed`): features are forwarded as validated.
+    model_config = ConfigDict(extra="allow")
+
     offset: int = Field(ge=0)
     length: int = Field(gt=0)
 
 
 class MultiModalFeatures(BaseModel):
+    model_config = ConfigDict(extra="allow")  # as PlaceholderRangeInfo's
+
     mm_hashes: dict[str, list[str]]
     mm_placeholders: dict[str, list[PlaceholderRangeInfo]]
     kwargs_data: dict[str, list[str | None]] | None = None
     mm_metadata: dict[str, list[str | None]] | None = None
+
+    @model_validator(mode="after")
+    def _validate_parallel_fields(self) -> MultiModalFeatures:
+        # vLLM's validator; the rules live in `shared/multimodal`, which routing and the
+        # mock engine read them from too. vLLM raises a plain ValueError (its repr shows
+        # in the error list).
+        placeholders = self.mm_placeholders
+        try:
+            check_layout(
+                self.mm_hashes,
+                {m: [(p.offset, p.length) for p in ranges] for m, ranges in placeholders.items()},
+                self.kwargs_data,
+                self.mm_metadata,
+            )
+        except FeaturesError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+def _has_serialized_mm_items(payload: dict[str, list[str | None]] | None) -> bool:
+    return bool(payload) and any(
+        item is not None for items in (payload or {}).values() for item in items
+    )
 
 
 class ReasoningParserKwargs(BaseModel):
@@ -448,11 +478,40 @@ class GenerateRequest(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _require_ec_for_metadata_only(self) -> GenerateRequest:
+        features = self.features
+        if features is None or not _has_serialized_mm_items(features.mm_metadata):
+            return self
+        if self.ec_transfer_params:
+            return self
+        kwargs_data = features.kwargs_data or {}
+        for modality, metadata_items in (features.mm_metadata or {}).items():
+            kwargs_items = kwargs_data.get(modality, [None] * len(metadata_items))
+            if any(
+                metadata is not None and kwargs is None
+                for metadata, kwargs in zip(metadata_items, kwargs_items, strict=True)
+            ):
+                raise ValueError("metadata-only multimodal items require ec_transfer_params")
+        return self
+
+    @model_validator(mode="after")
     def _check_output_mode_detokenizes(self) -> GenerateRequest:
         if self.output_mode != "tokens" and not self.sampling_params.detokenize:
             raise ValueError(
                 f"output_mode={self.output_mode!r} requires sampling_params.detokenize to be true"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _validate_multimodal_feature_bounds(self) -> GenerateRequest:
+        if self.features is None:
+            return self
+        ranges = self.features.mm_placeholders.values()
+        try:
+            check_bounds([MmItem("", p.offset, p.length) for r in ranges for p in r],
+                         len(self.token_ids))  # fmt: skip
+        except FeaturesError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
 from genmesh.records.config import RecordsConfig
+from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
@@ -41,6 +42,11 @@ class FrontendConfig:
     )
     router_policy: str = reuse(POLICY_OPTION)
     kv: KvConfig = group(KvConfig(), title="kv policy (with --routing frontend)")
+    # The routers' own options too (`--routing frontend` only): `genmesh up` hands both
+    # the same values.
+    admission: AdmissionConfig = group(
+        AdmissionConfig(), title="admission control (busy workers, the wait queue)"
+    )
     model: str = option("genmesh-mock", help="model name reported before any worker is known")
     body_limit_mb: float = option(32.0, help="largest request body")
     ack_timeout_s: float = option(

@@ -14,12 +14,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
+from genmesh.routing.admission import Admission
 from genmesh.routing.choice import Chooser
 from genmesh.routing.kv_feed import KvCollector, kv_subscriber
+from genmesh.routing.metrics import AdmissionCollector
 from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.config import FrontendConfig
-from genmesh.services.frontend.metrics import FrontendMetrics
+from genmesh.services.frontend.metrics import PREFIX, FrontendMetrics
 from genmesh.services.frontend.records import RequestRecords
 from genmesh.services.frontend.state import FrontendState, MeshBackend
 from genmesh.services.frontend.traces import TraceObserver
@@ -87,7 +89,10 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         directory = WorkerDirectory(nc, subjects)
         router = None
         if config.routing == "frontend":
-            router = Chooser(directory, make_policy(config.router_policy, config.kv))
+            chooser = Chooser(
+                directory, make_policy(config.router_policy, config.kv), config.admission
+            )
+            router = Admission(chooser, config.admission, "the frontend")
         client = MeshClient(
             nc,
             namespace,
@@ -121,6 +126,8 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         metrics = FrontendMetrics()  # served on GET /metrics of the frontend's own port
         if kv is not None:
             metrics.registry.register(KvCollector(kv))
+        if router is not None:
+            metrics.registry.register(AdmissionCollector(router, PREFIX))
         state.observers.append(metrics)
         tracer = tracing.tracer()
         if tracer is not None:  # off, traces cost nothing: not even an observer
@@ -146,6 +153,10 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         resources.push_async_callback(runner.cleanup)
+        if router is not None:
+            # Before the HTTP server stops: what waits for a worker is refused (retryable),
+            # not cut off with its connection.
+            resources.callback(router.close)
         site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
         await site.start()
         port = runner.addresses[0][1]

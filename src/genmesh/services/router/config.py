@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
@@ -23,4 +24,7 @@ class RouterConfig:
     )
     policy: str = reuse(POLICY_OPTION)
     kv: KvConfig = group(KvConfig(), title="kv policy")
+    admission: AdmissionConfig = group(
+        AdmissionConfig(), title="admission control (busy workers, the wait queue)"
+    )
     metrics: MetricsConfig = group(MetricsConfig())

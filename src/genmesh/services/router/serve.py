@@ -37,6 +37,7 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
             policy=config.policy,
             kv=config.kv,
             router_id=config.router_id,
+            admission=config.admission,
         )
         await stack.enter_async_context(
             serving_metrics(config.metrics, lambda: router_registry(router))

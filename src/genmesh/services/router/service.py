@@ -16,20 +16,47 @@ from collections import Counter
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from genmesh.codecs import get_codec
-from genmesh.routing.choice import Chooser
+from genmesh.codecs import Codec, get_codec
+from genmesh.routing.admission import Admission
+from genmesh.routing.busy import AdmissionConfig
+from genmesh.routing.choice import Chooser, Decision
 from genmesh.routing.kv_feed import kv_subscriber
 from genmesh.routing.policies import KvConfig, Policy, make_policy
 from genmesh.services.router import tracing as router_tracing
-from genmesh.shared.bus import check_subscriptions, publish, unsubscribe_quietly
+from genmesh.shared import frames, tracing
+from genmesh.shared.bus import (
+    check_subscriptions,
+    codec_headers,
+    message_codec,
+    publish,
+    unsubscribe_quietly,
+)
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.endpoint import EnvelopeEndpoint, Request
-from genmesh.shared.errors import MeshError
+from genmesh.shared.envelope import peek_id
+from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.lifecycle import Service
 from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
 from genmesh.shared.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
+
+# While a request waits in this router's admission queue, its requester hears a `ka`
+# outside the stream's numbering this often (docs/protocol.md §6.4): well within the
+# requester's acknowledgement timeout (2 s by default), which it restarts.
+HELD_KEEPALIVE_S = 0.5
+
+
+class _Held:
+    """A request waiting in the admission queue: where its keep-alives go, and the task
+    that waits for it."""
+
+    __slots__ = ("codec", "reply", "task")
+
+    def __init__(self, reply: str, codec: Codec, task: asyncio.Task[None]) -> None:
+        self.reply = reply
+        self.codec = codec
+        self.task = task
 
 
 class Router(Service):
@@ -42,6 +69,7 @@ class Router(Service):
         kv: KvConfig | None = None,
         router_id: str = "",
         heartbeat_interval_s: float = 1.0,
+        admission: AdmissionConfig | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -52,7 +80,12 @@ class Router(Service):
         self.endpoint = EnvelopeEndpoint(
             nc, subjects.router_generate, self._route, queue=ROUTER_QUEUE_GROUP
         )
-        self.chooser = Chooser(self.directory, self.policy)
+        config = admission or AdmissionConfig()
+        self.admission = Admission(
+            Chooser(self.directory, self.policy, config), config, f"router {router_id}"
+        )
+        # Requests waiting in the admission queue, by id.
+        self._held: dict[str, _Held] = {}
         self.decisions: Counter[str] = Counter()
         self.heartbeat_interval_s = heartbeat_interval_s
         self._tasks = TaskOwner(f"router {router_id}")
@@ -76,12 +109,18 @@ class Router(Service):
                 await self.endpoint.subscribe(),
                 await self.nc.subscribe(self.subjects.query, cb=self._on_query),
             ]
+            queue = self.admission.config.queue_size > 0
+            if queue:  # a requester that gives up cancels what waits here too
+                subs.append(await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel))
             for sub in subs:
                 stack.push_async_callback(unsubscribe_quietly, sub)
             await check_subscriptions(self.nc, *subs)
             stack.push_async_callback(self._leave)
             stack.push_async_callback(self._tasks.close)
+            stack.push_async_callback(self._refuse_held)
             self._tasks.spawn(self._presence_loop(), name="presence")
+            if queue:
+                self._tasks.spawn(self._held_keepalive_loop(), name="held keep-alives")
             self._running = stack.pop_all()
         log.info(
             "router %s on %s (policy %s)",
@@ -125,16 +164,79 @@ class Router(Service):
             await self._announce()
 
     async def _route(self, request: Request) -> None:
-        """Forward `request` to the worker `choose` picks, or raise why there is none."""
+        """Forward `request` to the worker `choose` picks, or raise why there is none; or
+        hold it in the admission queue (in a task: this callback must not wait)."""
         msg, envelope = request.msg, request.envelope
         span = router_tracing.router_span(
             msg.headers, self.subjects.router_generate, envelope, self.policy.name, self.router_id
         )
         try:
-            decision = self.chooser.choose(envelope)
+            decision = self.admission.choose(envelope)
         except MeshError as exc:
             router_tracing.rejected(span, exc.code, exc.message)
             raise
+        if decision is None:
+            rid = envelope.id
+            if rid in self._held:  # as a worker refuses a request id it runs already
+                raise MeshError(ErrorCode.INVALID_ARGUMENT, f"request id {rid} is already waiting")
+            task = self._tasks.spawn(self._hold(request, span), name=f"held {rid}")
+            self._held[rid] = _Held(msg.reply, request.codec, task)
+            return
+        await self._forward(request, decision, span)
+
+    async def _hold(self, request: Request, span: router_tracing.HopSpan | None) -> None:
+        """Wait in the admission queue, then forward; or send the refusal."""
+        rid = request.envelope.id
+        since = asyncio.get_running_loop().time()
+        try:
+            decision = await self.admission.wait(request.envelope)
+        except MeshError as exc:
+            router_tracing.rejected(span, exc.code, exc.message)
+            await self.endpoint.refuse(request.reply, request.codec, rid, exc)
+            return
+        except asyncio.CancelledError:  # its requester cancelled it, or the router stops
+            router_tracing.rejected(span, ErrorCode.CANCELLED, "request was cancelled")
+            raise
+        finally:
+            self._held.pop(rid, None)
+        if span is not None:
+            tracing.admission_waited(span.span, asyncio.get_running_loop().time() - since)
+        await self._forward(request, decision, span)
+
+    async def _held_keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HELD_KEEPALIVE_S)
+            for rid, held in list(self._held.items()):
+                try:
+                    await self.nc.publish(
+                        held.reply,
+                        held.codec.encode(frames.held(rid)),
+                        headers=codec_headers(held.codec),
+                    )
+                except Exception as exc:
+                    log.debug("keep-alive for held request %s failed: %s", rid, exc)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            rid = peek_id(message_codec(msg).decode(msg.data))
+        except Exception:  # not ours to judge: workers log unreadable cancels
+            return
+        held = self._held.pop(rid, None) if rid is not None else None
+        if held is not None:
+            held.task.cancel()  # it leaves the queue; its requester has gone
+
+    async def _refuse_held(self) -> None:
+        """On stop: refuse what waits (retryable: another router may serve it), and let
+        the refusals go out before the tasks are cancelled."""
+        self.admission.close()
+        waiting = [held.task for held in self._held.values()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=1.0)
+
+    async def _forward(
+        self, request: Request, decision: Decision, span: router_tracing.HopSpan | None
+    ) -> None:
+        msg = request.msg
         worker = decision.worker
         self.decisions[worker.id] += 1
         # The original bytes and headers (codec) go on untouched, but for the trace context:

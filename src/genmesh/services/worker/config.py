@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from genmesh.engines import ENGINES
 from genmesh.engines.mock import MockConfig
+from genmesh.engines.zmq_events import ZmqEventsConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
@@ -56,6 +57,9 @@ class WorkerProcessConfig:
         help="engine adapter: the in-process mock, or a client of a real SGLang/vLLM server",
     )
     engine_url: str | None = option(None, help="HTTP address of the SGLang/vLLM server")
+    kv_events: ZmqEventsConfig = group(
+        ZmqEventsConfig(), title="KV events of an SGLang/vLLM server (its --kv-events-config)"
+    )
     # A worker's mock runs its timing model in real time (the mock's own default: instant).
     mock: MockConfig = group(MockConfig(speedup=1.0), title="mock engine (--engine mock)")
     testkit_faults: bool = option(

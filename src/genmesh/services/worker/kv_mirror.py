@@ -41,6 +41,13 @@ class KvMirror:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def copy(self) -> KvMirror:
+        """The cache as of now, unchanged by later events (its blocks are never modified,
+        only replaced or dropped): what a snapshot is paged from."""
+        frozen = KvMirror()
+        frozen._blocks = dict(self._blocks)
+        return frozen
+
     def apply(self, events: Iterable[KvEvent]) -> None:
         for event in events:
             if isinstance(event, BlockStored):

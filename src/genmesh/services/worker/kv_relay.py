@@ -11,6 +11,7 @@ keeps whatever NATS does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -122,12 +123,12 @@ class KvRelay:
             codec = get_codec("json")  # what any client can read
         try:
             # Pages hold bytes (packed tokens, maybe hashes): JSON cannot carry them.
-            data = codec.encode(self.page(codec.decode(msg.data)).to_wire())
+            data = codec.encode((await self.page(codec.decode(msg.data))).to_wire())
         except (CodecError, SnapshotRefused) as exc:
             data = codec.encode({"worker": self.worker_id, "error": str(exc)})
         await self.nc.publish(msg.reply, data, headers=codec_headers(codec))
 
-    def page(self, request: Any) -> KvSnapshotPage:
+    async def page(self, request: Any) -> KvSnapshotPage:
         """The page a request `{"snapshot": null | id, "page": k}` asks for: of a new
         snapshot (the cache as of message `seq`) when `snapshot` is null, else of that
         one, frozen, so that pages read one after another cannot tear."""
@@ -145,7 +146,7 @@ class KvRelay:
             )
         now = time.monotonic()
         self._forget_expired(now)
-        frozen = self._freeze() if snapshot is None else self._snapshots.get(snapshot)
+        frozen = await self._freeze() if snapshot is None else self._snapshots.get(snapshot)
         if frozen is None:
             raise SnapshotRefused(
                 f"no snapshot {snapshot} (expired, or never made here): ask for a new one"
@@ -160,13 +161,17 @@ class KvRelay:
             self.worker_id, frozen.id, frozen.seq, page, len(frozen.pages), frozen.pages[page]
         )
 
-    def _freeze(self) -> _Frozen:
+    async def _freeze(self) -> _Frozen:
         """A snapshot of the cache as of now; the last one again if nothing happened since
-        (routers resyncing together after an outage share one)."""
+        (routers resyncing together after an outage share one). Paged in a thread: a
+        large cache takes a few hundred ms (65,536 blocks: benchmarks/bench_kv_cache.py),
+        which the event loop, streaming tokens, must not wait for."""
         latest = self._latest
         if latest is not None and latest.seq == self.seq and latest.id in self._snapshots:
             return latest
-        frozen = _Frozen(secrets.token_hex(8), self.seq, self.mirror.pages(PAGE_BYTES), 0.0)
+        seq, cache = self.seq, self.mirror.copy()
+        pages = await asyncio.to_thread(cache.pages, PAGE_BYTES)
+        frozen = _Frozen(secrets.token_hex(8), seq, pages, time.monotonic() + SNAPSHOT_TTL_S)
         self._snapshots[frozen.id] = frozen
         while len(self._snapshots) > MAX_SNAPSHOTS:
             self._snapshots.popitem(last=False)

@@ -214,12 +214,15 @@ class Worker(Service):
     def card(self) -> dict[str, Any]:
         # The engine's facts first, so they can never shadow the worker's own fields.
         card = self.engine.describe()
+        queued = self.queued
         card |= {
             "v": 1,
             "id": self.worker_id,
             "subject": self.subject,
             "engine": self.engine.name,
             "inflight": self.inflight,
+            "running": self.inflight - queued,
+            "queued": queued,
             "capacity": self.config.max_concurrency,
             "heartbeat_s": self.config.heartbeat_interval_s,
             "started": self._started,
@@ -227,6 +230,10 @@ class Worker(Service):
             "pid": os.getpid(),
             "stats": self.stats | {"rejected": self.endpoint.rejections[ErrorCode.OVERLOADED]},
         }
+        kv = self.engine.kv_usage()
+        if kv is not None:
+            card["kv_blocks_used"] = kv.used_blocks
+            card["kv_blocks_total"] = kv.total_blocks
         if self.kv_relay is not None:
             card["kv_events"] = True
         return card
@@ -375,7 +382,11 @@ class Worker(Service):
         try:
             try:
                 async for last in execute(self.engine, active.envelope):
-                    active.started = True
+                    if not active.started:
+                        active.started = True
+                        # Queued -> running: routers that hold requests back for busy
+                        # workers count queued requests (routing/busy.py).
+                        self._load_changed.set()
                     if last["t"] == frames.OUT or last["t"] == frames.END:
                         active.tokens += len(last["tokens"])
                     await self._send(active, last)

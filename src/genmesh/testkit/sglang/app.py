@@ -17,6 +17,7 @@ from aiohttp import web
 from genmesh.engines.faults import Fault, ServerState
 from genmesh.testkit.common import add_admin_routes
 from genmesh.testkit.config import MockServerConfig
+from genmesh.testkit.kv_events import add_kv_event_routes
 from genmesh.testkit.sglang.info import InfoRoutes
 from genmesh.testkit.sglang.normalize import Item
 from genmesh.testkit.sglang.request import JSON, Malformed, Rejected, as_bool, check_body
@@ -231,6 +232,8 @@ def build_app(config: MockServerConfig) -> web.Application:
     info = InfoRoutes(server.scheduler)
     app = web.Application(client_max_size=1 << 30)
     add_admin_routes(app, state)
+    if server.scheduler.cache is not None:
+        add_kv_event_routes(app, server.scheduler.cache.publisher)
     app.router.add_route("POST", "/generate", server.generate)
     app.router.add_route("PUT", "/generate", server.generate)
     app.router.add_post("/abort_request", server.abort_request)

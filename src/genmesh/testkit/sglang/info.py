@@ -12,12 +12,10 @@ from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang.normalize import preferred_sampling_params
 from genmesh.testkit.sglang.request import JSON
 from genmesh.testkit.sglang.response import WEIGHT_VERSION, json_response
-from genmesh.testkit.sglang.schedule import Scheduler
+from genmesh.testkit.sglang.schedule import DEFAULT_PAGE_SIZE, Scheduler
 
 # The SGLang release this mock imitates: `--incremental-streaming-output` era (sglang#20614).
 SGLANG_VERSION = "0.5.10"
-# ServerArgs.page_size when not given: one token per KV page.
-DEFAULT_PAGE_SIZE = 1
 
 
 def max_req_input_len(config: MockServerConfig) -> int:
@@ -31,6 +29,7 @@ class InfoRoutes:
     def __init__(self, scheduler: Scheduler) -> None:
         self.config = scheduler.config
         self.state = scheduler.state
+        self.cache = scheduler.cache
         self.model = scheduler.model
         self.started = time.time()
         preferred_sampling_params(self.config)  # as SGLang, refuse to start on bad JSON
@@ -159,6 +158,8 @@ class InfoRoutes:
         """SGLang's reply text either way; 400 while requests run or wait (its
         scheduler refuses to flush then)."""
         self.state.flush_calls += 1
+        if self.cache is not None and not self.state.running:
+            self.cache.clear()  # RadixCache.reset: an AllBlocksCleared event
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be "

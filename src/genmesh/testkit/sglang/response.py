@@ -93,6 +93,8 @@ class Transcript:
     in_tids: list[list[LogprobEntry] | None] = field(default_factory=list)
     # Routed-expert rows, one per position from `routed_experts_start` on.
     rows: list[list[int]] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache.
+    cached_tokens: int = 0
 
 
 def output(
@@ -111,7 +113,7 @@ def output(
         meta.update(_logprobs(item, record, offset))
     meta["reasoning_tokens"] = 0
     meta["completion_tokens"] = len(record.output_ids)
-    meta["cached_tokens"] = 0
+    meta["cached_tokens"] = record.cached_tokens
     if finish is not None:
         if item.return_routed_experts:
             meta["routed_experts"] = _routed_experts(item, record)

@@ -24,8 +24,10 @@ from genmesh.engines.mock import (
     advance,
     initial_state,
 )
+from genmesh.engines.prefix_cache import RequestBlocks
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.config import MockServerConfig
+from genmesh.testkit.kv_cache import ServerCache, server_cache
 from genmesh.testkit.sglang.normalize import Item, normalize
 from genmesh.testkit.sglang.request import JSON, Rejected
 from genmesh.testkit.sglang.response import (
@@ -40,6 +42,8 @@ from genmesh.testkit.sglang.response import (
 
 # The MoE shape of the routed-expert rows, the mock worker engine's defaults.
 _MOE = MockConfig()
+# ServerArgs.page_size when not given: one token per KV page.
+DEFAULT_PAGE_SIZE = 1
 
 
 class Scheduler:
@@ -51,6 +55,10 @@ class Scheduler:
         self.state = state
         self.model = TokenModel(config.vocab_size)
         self.experts = ExpertModel(_MOE.moe_layers, _MOE.moe_top_k, _MOE.moe_experts)
+        # The radix cache, with --kv-events-config.
+        self.cache: ServerCache | None = server_cache(
+            "sglang", config, config.block_size or DEFAULT_PAGE_SIZE
+        )
 
     def admit(self, body: JSON) -> tuple[list[Item], bool]:
         items, single = normalize(body, self.config)
@@ -105,6 +113,8 @@ class Generation:
         self.running: Running = scheduler.state.start(item.rid)
         self.record = Transcript()
         self.sent = 0  # output tokens already delivered (incremental streaming)
+        # The cache blocks the request holds while it runs (with a cache).
+        self.blocks: RequestBlocks | None = None
 
     async def run(self) -> None:
         completed = False
@@ -116,6 +126,8 @@ class Generation:
             self.queue.put_nowait(Event(self.item.index, "crash"))
             raise
         finally:
+            if self.blocks is not None:
+                self.blocks.release()
             # "completed" means a natural end (stop or length), as the vLLM mock counts it.
             natural = completed and not self.running.aborted.is_set()
             self.scheduler.state.finish(self.running, completed=natural)
@@ -132,7 +144,14 @@ class Generation:
         if self.item.scheduler_abort is not None:
             self._scheduler_abort(self.item.scheduler_abort)
             return True
-        return await self._decode(self._prompt_pass())
+        cache = self.scheduler.cache
+        if cache is not None:
+            self.blocks = cache.open(self.item.prompt)
+            self.record.cached_tokens = self.blocks.cached_tokens
+        state = self._prompt_pass()
+        if self.blocks is not None:
+            self.blocks.prefilled()
+        return await self._decode(state)
 
     async def _waiting(self) -> bool:
         """The prefill delay, spent in the waiting queue; True if aborted meanwhile."""
@@ -190,6 +209,8 @@ class Generation:
                 await asyncio.sleep(self.scheduler.state.token_delay_s)
             token, logprob = self._sample(state, k, banned)
             self._record(state, token, logprob)
+            if self.blocks is not None:
+                self.blocks.extend([token])
             state = advance(state, token)
             k += 1
             finish = self._check_finished(token, k)

@@ -20,6 +20,8 @@ from genmesh.engines.faults import ServerState
 from genmesh.testkit.common import STATE as STATE_KEY
 from genmesh.testkit.common import add_admin_routes
 from genmesh.testkit.config import MockServerConfig
+from genmesh.testkit.kv_cache import server_cache
+from genmesh.testkit.kv_events import add_kv_event_routes
 from genmesh.testkit.vllm.errors import ApiError, error_body
 from genmesh.testkit.vllm.info import metrics_handler
 from genmesh.testkit.vllm.request import (
@@ -34,7 +36,7 @@ from genmesh.testkit.vllm.response import (
     json_response,
     sse_error,
 )
-from genmesh.testkit.vllm.schedule import ClientGone, Engine, Run
+from genmesh.testkit.vllm.schedule import KV_BLOCK_SIZE, ClientGone, Engine, Run
 
 Profile = Literal["new", "old"]
 PROFILES: tuple[str, ...] = ("new", "old")
@@ -103,6 +105,7 @@ async def _run(
         state.disconnected.append(key)
         return run.response if run.response is not None else web.Response(status=499)
     finally:
+        run.release_blocks()
         engine.release(key, running, completed=run.completed)
 
 
@@ -129,8 +132,13 @@ async def _abort_requests(request: web.Request) -> web.Response:
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
-    """`POST /reset_prefix_cache` (vLLM's dev-mode route): 200 with no body."""
-    request.app[ENGINE].state.flush_calls += 1
+    """`POST /reset_prefix_cache` (vLLM's dev-mode route): 200 with no body. The cache is
+    emptied (an AllBlocksCleared event) unless a request holds blocks, which vLLM's
+    `reset_prefix_cache` refuses too."""
+    engine = request.app[ENGINE]
+    engine.state.flush_calls += 1
+    if engine.cache is not None:
+        engine.cache.clear()
     return web.Response(status=200)
 
 
@@ -211,7 +219,10 @@ def build_app(config: MockServerConfig, *, profile: Profile = "new") -> web.Appl
     app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_fastapi_errors])
     state = ServerState(token_delay_s=config.token_delay_ms / 1000)
     add_admin_routes(app, state)
-    app[ENGINE] = Engine(config, profile, state)
+    cache = server_cache("vllm", config, config.block_size or KV_BLOCK_SIZE)
+    app[ENGINE] = Engine(config, profile, state, cache=cache)
+    if cache is not None:
+        add_kv_event_routes(app, cache.publisher)
     app[REQUEST_LOG] = deque(maxlen=_REQUEST_LOG_LIMIT)
     app.router.add_post(GENERATE_PATH, _generate)
     if config.tokens_only:

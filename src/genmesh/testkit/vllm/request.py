@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genmesh.engines.mock import MAX_TOP_LOGPROBS
+from genmesh.shared.multimodal import FeaturesError, MmItem, features_items
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm.errors import ApiError, type_error
 from genmesh.testkit.vllm.sampling import (
@@ -62,6 +63,11 @@ class GenerateOptions:
     model: str | None
     kv_transfer_params: dict[str, Any] | None
     dp_rank: int | None
+    # Enters the first block's hash (vLLM's prefix cache isolation).
+    cache_salt: str | None = None
+    # Rendered multimodal items (`features`), in prompt order: they enter the hashes of
+    # the blocks their placeholders touch.
+    mm_items: tuple[MmItem, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,7 @@ class _Fields:
     include_usage: bool
     continuous_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    cache_salt: str | None
 
 
 def parse_generate(
@@ -85,7 +92,7 @@ def parse_generate(
     token_ids = _token_ids(body)
     sp = _sampling_params(body)
     fields = _fields(body)
-    _refuse_unsupported(body, profile)
+    mm_items = _refuse_unsupported(body, profile)
     sampling = parse_sampling(sp)
     _route_refusals(sp, sampling, config, profile)
     extra = sp.get("extra_args")
@@ -103,6 +110,8 @@ def parse_generate(
         model=fields.model,
         kv_transfer_params=kv if isinstance(kv, dict) else None,
         dp_rank=_dp_rank(headers.get("X-data-parallel-rank")),
+        cache_salt=fields.cache_salt,
+        mm_items=mm_items,
     )
     return options, body
 
@@ -176,7 +185,7 @@ def _fields(body: dict[str, Any]) -> _Fields:
     kv_top = body.get("kv_transfer_params")
     if kv_top is not None and not isinstance(kv_top, dict):
         raise type_error("kv_transfer_params", "dictionary", kv_top)
-    return _Fields(model, stream, include_usage, continuous, kv_top)
+    return _Fields(model, stream, include_usage, continuous, kv_top, salt)
 
 
 def _stream_options(value: Any) -> tuple[bool, bool]:
@@ -193,8 +202,9 @@ def _stream_options(value: Any) -> tuple[bool, bool]:
     return bool(include), bool(include) and bool(continuous)
 
 
-def _refuse_unsupported(body: dict[str, Any], profile: str) -> None:
-    """Text output, multimodal inputs and encoder caches: what this mock has no model for."""
+def _refuse_unsupported(body: dict[str, Any], profile: str) -> tuple[MmItem, ...]:
+    """Text output, multimodal media and encoder caches: what this mock has no model for.
+    The rendered multimodal items it serves, in prompt order."""
     if profile == "new":
         output_mode = body.get("output_mode", "tokens")
         if output_mode == "text":
@@ -204,10 +214,27 @@ def _refuse_unsupported(body: dict[str, Any], profile: str) -> None:
             raise ApiError("1 validation error for GenerateRequest\n  Input tag "
                            f"{output_mode!r:.40} does not match any of the expected tags: "
                            "'tokens', 'text'")  # fmt: skip
-    for key in ("features", "content_parts", "ec_transfer_params"):
-        if body.get(key):
+    features = body.get("features")
+    if profile == "new" and features is not None and not body.get("content_parts"):
+        # Rendered multimodal items are served (the model is text-only: they change no
+        # token), their layout checked as vLLM checks it.
+        try:
+            items = tuple(features_items(features, len(body["token_ids"])))
+        except FeaturesError as exc:
+            raise ApiError(f"1 validation error for GenerateRequest\nfeatures\n  Value error, "
+                           f"{exc}", 400, "features") from None  # fmt: skip
+        features = None
+    else:
+        items = ()
+    for key, value in (
+        ("features", features),
+        ("content_parts", body.get("content_parts")),
+        ("ec_transfer_params", body.get("ec_transfer_params")),
+    ):
+        if value:
             raise ApiError(f"{key}: this mock serves a text-only model without multimodal or "
                            "encoder-cache support", 400, key)  # fmt: skip
+    return items
 
 
 def _route_refusals(

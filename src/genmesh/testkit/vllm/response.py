@@ -186,7 +186,7 @@ def unary_body(
         "request_id": options.engine_id,
         "model": model,
         "created": int(time.time()),
-        "usage": {**counts, "prompt_tokens_details": None},
+        "usage": {**counts, "prompt_tokens_details": counts.get("prompt_tokens_details")},
         "prompt_logprobs": prompt_lps,
     }
     if profile == "new":

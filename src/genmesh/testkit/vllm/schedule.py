@@ -25,8 +25,11 @@ from aiohttp import web
 
 from genmesh.engines.faults import Fault, Running, ServerState
 from genmesh.engines.mock import TokenModel
+from genmesh.engines.prefix_cache import RequestBlocks
+from genmesh.shared.kv_events import block_extra_keys
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.config import MockServerConfig
+from genmesh.testkit.kv_cache import ServerCache
 from genmesh.testkit.vllm.decode import Sample, prompt_state
 from genmesh.testkit.vllm.errors import error_body
 from genmesh.testkit.vllm.request import ENGINE_ID_PREFIX, GenerateOptions, budget
@@ -56,6 +59,8 @@ class Engine:
     # The NIXL identity and the next free KV block a P/D prefill hands out.
     engine_uuid: str = field(default_factory=lambda: str(uuid.uuid4()))
     next_block: int = 0
+    # The prefix cache, with --kv-events-config.
+    cache: ServerCache | None = None
 
     def admit(self, engine_id: str) -> tuple[str, Running]:
         """Start a request under a key of its own: vLLM tells duplicate ids apart
@@ -101,6 +106,8 @@ class Run:
     fault: Fault | None
     key: str
     samples: list[Sample] = field(default_factory=list)
+    # Each sample's cache blocks while it runs (with a cache).
+    blocks: list[RequestBlocks] = field(default_factory=list)
     response: web.StreamResponse | None = None
     fault_abort: bool = False
     dropped: bool = False
@@ -108,6 +115,13 @@ class Run:
 
     async def execute(self) -> web.StreamResponse:
         self._start_samples()
+        cache = self.engine.cache
+        if cache is not None:
+            opts = self.options
+            # vLLM's generate_block_hash_extra_keys, over every block the run can fill.
+            length = len(opts.prompt) + max(s.budget for s in self.samples)
+            extra = block_extra_keys(opts.mm_items, opts.cache_salt, cache.pool.block_size, length)
+            self.blocks = [cache.open(opts.prompt, extra) for _ in self.samples]
         self.running.waiting = False
         if self.options.stream:
             self.response = web.StreamResponse(
@@ -166,8 +180,13 @@ class Run:
             if self.aborted():
                 await self._abort(live)
                 return None
+            if not steps:  # the prefill has run: its full blocks are cached
+                for blocks in self.blocks:
+                    blocks.prefilled()
             for sample in live:
                 step = sample.step()
+                if self.blocks:
+                    self.blocks[sample.index].extend([step.token])
                 if self.options.stream:
                     await self.write(chunk(self.options, self.engine.profile, sample, step))
             steps += 1
@@ -180,11 +199,21 @@ class Run:
             if self.options.stream:
                 await self.write(chunk(self.options, self.engine.profile, sample, None))
 
+    def release_blocks(self) -> None:
+        """The request ended: its cache blocks are free (what it cached stays cached)."""
+        for blocks in self.blocks:
+            blocks.release()
+        self.blocks = []
+
     def aborted(self) -> bool:
         return self.fault_abort or self.running.aborted.is_set()
 
     def usage(self) -> dict[str, Any]:
-        return usage_counts(len(self.options.prompt), sum(len(s.tokens) for s in self.samples))
+        counts = usage_counts(len(self.options.prompt), sum(len(s.tokens) for s in self.samples))
+        cached = self.blocks[0].cached_tokens if self.blocks else 0
+        if self.engine.config.enable_prompt_tokens_details and cached:
+            counts["prompt_tokens_details"] = {"cached_tokens": cached}
+        return counts
 
     def check_connection(self) -> None:
         transport = self.request.transport
