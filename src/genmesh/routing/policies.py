@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from genmesh.shared.settings import option
+from genmesh.shared.settings import non_negative_float, option
 
 if TYPE_CHECKING:  # imported for types only: the router's --help lists the policies
     from genmesh.shared.discovery import WorkerInfo
@@ -95,12 +96,64 @@ POLICIES: dict[str, type[RoundRobin] | type[Sticky] | type[Random] | type[LeastL
 }
 
 
-def make_policy(name: str) -> Policy:
+# The KV-cache-aware policy (routing/kv_policy.py), made by `make_policy` only: it imports
+# the index and the block hashing, which the configs that read this module for --help
+# need not load.
+KV_POLICY = "kv"
+POLICY_NAMES = (*POLICIES, KV_POLICY)
+
+
+@dataclass(frozen=True, slots=True)
+class KvConfig:
+    """The `kv` policy's options, declared once: a router's (`RouterConfig.kv`) and a
+    frontend's that routes itself (`FrontendConfig.kv`) hold this group, and `genmesh up`
+    hands the routers' to the frontends. Defaults are Dynamo's KV router's but for the
+    overlap weight (docs/routing.md, "The kv policy")."""
+
+    # Dynamo's default is 1.0; at 1.0 one more active request on the worker holding a
+    # 1,024-token prefix already sends the next request elsewhere to recompute it, and the
+    # caches end up holding copies of each other's prefixes (docs/routing.md, measured).
+    overlap_weight: float = option(
+        8.0,
+        flag="--kv-overlap-weight",
+        parse=non_negative_float,
+        help="weight of the prompt blocks a worker would still have to compute, "
+        "against its active blocks (Dynamo's --kv-overlap-score-weight, whose default is "
+        "1); 0 = load only",
+    )
+    temperature: float = option(
+        0.0,
+        flag="--kv-temperature",
+        parse=non_negative_float,
+        help="softmax temperature over the workers' costs; 0 = always the cheapest "
+        "(ties to the lowest worker id, so every router chooses alike)",
+    )
+    events: str = option(
+        "on",
+        flag="--kv-events",
+        choices=("on", "off"),
+        help="follow the workers' KV events (workers whose card says they publish "
+        "them); off = predict every worker's cache from what was routed to it",
+    )
+    approx_ttl_s: float = option(
+        120.0,
+        flag="--kv-approx-ttl",
+        parse=non_negative_float,
+        help="seconds a routed prompt is taken to stay in the cache of a worker "
+        "without KV events (Dynamo's --router-ttl)",
+    )
+
+
+def make_policy(name: str, kv: KvConfig | None = None) -> Policy:
+    if name == KV_POLICY:
+        from genmesh.routing.kv_policy import KvPolicy
+
+        return KvPolicy(kv or KvConfig())
     try:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(
-            f"unknown router policy {name!r}; choose one of: {', '.join(POLICIES)}"
+            f"unknown router policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}"
         ) from None
 
 
@@ -108,5 +161,5 @@ def make_policy(name: str) -> Policy:
 # (`RouterConfig`) and a frontend's that routes itself (`FrontendConfig`), each taking it
 # with `settings.reuse`, so that `genmesh up --router-policy X` means the same in both.
 POLICY_OPTION = option(
-    "round_robin", flag="--router-policy", choices=tuple(POLICIES), help="how to pick a worker"
+    "round_robin", flag="--router-policy", choices=POLICY_NAMES, help="how to pick a worker"
 )

@@ -48,7 +48,7 @@ class UpConfig:
     routers: int = option(
         1, parse=non_negative_int, help="number of router processes (0: none; HTTP only)"
     )
-    router: RouterConfig = group(RouterConfig(), only=("policy", "admission"))
+    router: RouterConfig = group(RouterConfig(), only=("policy", "kv", "admission"))
     worker: WorkerProcessConfig = group(
         WorkerProcessConfig(),
         only=("engine", "service.max_concurrency", "service.drain_timeout_s", "mock"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
 from genmesh.records.config import RecordsConfig
 from genmesh.routing.busy import AdmissionConfig
-from genmesh.routing.policies import POLICY_OPTION
+from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.settings import group, non_negative_float, option, reuse
@@ -41,6 +41,7 @@ class FrontendConfig:
         "needed), or the router processes",
     )
     router_policy: str = reuse(POLICY_OPTION)
+    kv: KvConfig = group(KvConfig(), title="kv policy (with --routing frontend)")
     # The routers' own options too (`--routing frontend` only): `genmesh up` hands both
     # the same values.
     admission: AdmissionConfig = group(

@@ -16,6 +16,7 @@ from genmesh.client import MeshClient
 from genmesh.formats.catalog import load_generate_formats
 from genmesh.routing.admission import Admission
 from genmesh.routing.choice import Chooser
+from genmesh.routing.kv_feed import KvCollector, kv_subscriber
 from genmesh.routing.metrics import AdmissionCollector
 from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
@@ -88,7 +89,9 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         directory = WorkerDirectory(nc, subjects)
         router = None
         if config.routing == "frontend":
-            chooser = Chooser(directory, make_policy(config.router_policy), config.admission)
+            chooser = Chooser(
+                directory, make_policy(config.router_policy, config.kv), config.admission
+            )
             router = Admission(chooser, config.admission, "the frontend")
         client = MeshClient(
             nc,
@@ -109,6 +112,10 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         resources.push_async_callback(backend.close)
         await client.start()
         await directory.start()
+        kv = None if router is None else kv_subscriber(router.policy, nc, subjects, directory)
+        if kv is not None:
+            await kv.start()
+            resources.push_async_callback(kv.close)  # before the connection closes
         state = FrontendState(
             backend=backend,
             namespace=namespace,
@@ -117,6 +124,8 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             request_timeout_s=config.request_timeout_s or None,
         )
         metrics = FrontendMetrics()  # served on GET /metrics of the frontend's own port
+        if kv is not None:
+            metrics.registry.register(KvCollector(kv))
         if router is not None:
             metrics.registry.register(AdmissionCollector(router, PREFIX))
         state.observers.append(metrics)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genmesh.routing.busy import AdmissionConfig
-from genmesh.routing.policies import POLICY_OPTION
+from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_router_id
@@ -23,6 +23,7 @@ class RouterConfig:
         default_factory=new_router_id, help="router id (a subject token); random if unset"
     )
     policy: str = reuse(POLICY_OPTION)
+    kv: KvConfig = group(KvConfig(), title="kv policy")
     admission: AdmissionConfig = group(
         AdmissionConfig(), title="admission control (busy workers, the wait queue)"
     )

@@ -35,6 +35,7 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
             nc,
             Subjects(config.mesh.namespace),
             policy=config.policy,
+            kv=config.kv,
             router_id=config.router_id,
             admission=config.admission,
         )

@@ -20,7 +20,8 @@ from genmesh.codecs import Codec, get_codec
 from genmesh.routing.admission import Admission
 from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.choice import Chooser, Decision
-from genmesh.routing.policies import Policy, make_policy
+from genmesh.routing.kv_feed import kv_subscriber
+from genmesh.routing.policies import KvConfig, Policy, make_policy
 from genmesh.services.router import tracing as router_tracing
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
@@ -65,6 +66,7 @@ class Router(Service):
         subjects: Subjects,
         *,
         policy: str = "round_robin",
+        kv: KvConfig | None = None,
         router_id: str = "",
         heartbeat_interval_s: float = 1.0,
         admission: AdmissionConfig | None = None,
@@ -72,8 +74,9 @@ class Router(Service):
         self.nc = nc
         self.subjects = subjects
         self.router_id = router_id
-        self.policy: Policy = make_policy(policy)
+        self.policy: Policy = make_policy(policy, kv)
         self.directory = WorkerDirectory(nc, subjects)
+        self.kv = kv_subscriber(self.policy, nc, subjects, self.directory)
         self.endpoint = EnvelopeEndpoint(
             nc, subjects.router_generate, self._route, queue=ROUTER_QUEUE_GROUP
         )
@@ -99,6 +102,9 @@ class Router(Service):
         async with contextlib.AsyncExitStack() as stack:
             await self.directory.start()
             stack.push_async_callback(self.directory.close)
+            if self.kv is not None:
+                await self.kv.start()
+                stack.push_async_callback(self.kv.close)
             subs = [
                 await self.endpoint.subscribe(),
                 await self.nc.subscribe(self.subjects.query, cb=self._on_query),
