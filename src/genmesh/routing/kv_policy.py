@@ -35,10 +35,8 @@ from genmesh.routing.policies import KV_POLICY, KvConfig
 from genmesh.shared.discovery import WorkerInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
-from genmesh.shared.kv_events import request_block_keys
+from genmesh.shared.kv_events import KV_EVENTS_CARD_KEY, request_block_keys
 
-# The card key of a worker whose engine's KV events it relays (docs/protocol.md).
-KV_EVENTS_CARD_KEY = "kv_events"
 # Workers that report no block size: vLLM's and the mock's default.
 DEFAULT_BLOCK_SIZE = 16
 

@@ -38,6 +38,9 @@ from genmesh.shared.multimodal import FeaturesError, MmItem, envelope_items
 
 log = logging.getLogger(__name__)
 
+# The card key of a worker that relays its engine's KV events (docs/protocol.md §13).
+KV_EVENTS_CARD_KEY = "kv_events"
+
 # An engine's block hash: an int (older vLLM, SGLang) or bytes (newer vLLM's sha256).
 EngineHash = int | bytes
 

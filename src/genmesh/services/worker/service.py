@@ -45,6 +45,7 @@ from genmesh.shared.endpoint import EnvelopeEndpoint, Request
 from genmesh.shared.envelope import Envelope, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
+from genmesh.shared.kv_events import KV_EVENTS_CARD_KEY
 from genmesh.shared.lifecycle import Service
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner, wait_event
@@ -235,7 +236,7 @@ class Worker(Service):
             card["kv_blocks_used"] = kv.used_blocks
             card["kv_blocks_total"] = kv.total_blocks
         if self.kv_relay is not None:
-            card["kv_events"] = True
+            card[KV_EVENTS_CARD_KEY] = True
         return card
 
     async def _announce(self) -> None:
