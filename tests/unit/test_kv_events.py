@@ -82,6 +82,7 @@ def test_newer_vllm_map_form_with_bytes_hashes_and_extra_keys() -> None:
         (msgpack.packb([1.0, [["BlockMoved"]]]), "unknown KV cache event 'BlockMoved'"),
         (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2, 3], 2, None]]]), "3 token ids"),
         (msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]), "integer or bytes"),
+        (msgpack.packb([1.0, [["BlockRemoved", [1, True]]]]), "integer or bytes, got True"),
     ],
 )
 def test_bad_engine_batches_say_why(payload: bytes, reason: str) -> None:

@@ -110,10 +110,18 @@ def _hash(value: Any, where: str) -> EngineHash:
     return value
 
 
+_HASH_TYPES = frozenset((int, bytes))
+
+
 def _hashes(value: Any, where: str) -> list[EngineHash]:
     if not isinstance(value, list):
         raise KvEventError(f"{where}: block_hashes must be a list")
-    return [_hash(h, where) for h in value]
+    # The types checked in one C pass (a stored prompt is ~66 hashes, every router
+    # decodes every message); `bool`, an int subclass, is not among them.
+    if not _HASH_TYPES.issuperset(map(type, value)):
+        for h in value:
+            _hash(h, where)
+    return value
 
 
 def _engine_event(raw: Any) -> KvEvent:
