@@ -19,7 +19,7 @@ from genmesh.shared.discovery import WorkerInfo
 from genmesh.shared.engine_info import EngineInfo
 from genmesh.shared.envelope import TokenIds
 from genmesh.shared.errors import ErrorCode, MeshError
-from genmesh.shared.kv_events import BlockStored, block_keys
+from genmesh.shared.kv_events import BlockRemoved, BlockStored, block_keys
 from genmesh.shared.settings import parse
 from genmesh.up.config import UpConfig
 from genmesh.up.run import frontend_configs
@@ -228,3 +228,38 @@ def test_up_hands_the_kv_options_to_routers_and_frontends_alike() -> None:
     for argv_out in (command_argv(frontend), command_argv(config.router)):
         assert argv_out[argv_out.index("--kv-overlap-weight") + 1] == "2.0"
         assert argv_out[argv_out.index("--kv-events") + 1] == "off"
+
+
+def test_routers_fed_the_same_events_in_any_interleaving_choose_alike() -> None:
+    # Each worker's events in its own order, the workers' streams interleaved differently
+    # in each router (as NATS delivers subjects independently): same index, same choices.
+    rng = random.Random(7)
+    prefixes = [list(range(1000 * g, 1000 * g + 16)) for g in range(6)]
+    streams: dict[str, list[list[Any]]] = {}
+    for wid in ("a", "b", "c"):
+        held = rng.sample(range(6), 3)
+        stored = [
+            [BlockStored([f"{wid}{g}.{i}" for i in range(4)], None, TokenIds(prefixes[g]), BS)]
+            for g in held
+        ]
+        removed = [[BlockRemoved([f"{wid}{held[0]}.{i}" for i in range(2, 4)])]]
+        streams[wid] = [*stored, *removed]
+
+    def fed(seed: int) -> KvPolicy:
+        policy = kv()
+        pending = {wid: list(events) for wid, events in streams.items()}
+        order = random.Random(seed)
+        while any(pending.values()):
+            wid = order.choice([w for w, events in pending.items() if events])
+            policy.index.apply(wid, pending[wid].pop(0))
+        return policy
+
+    routers = [fed(seed) for seed in (1, 2, 3)]
+    workers = [worker("c", load=1), worker("a"), worker("b", load=2)]
+    picked = []
+    for g, prefix in enumerate(prefixes):
+        prompt = prefix + [g] * 3
+        choices = {choose(router, *workers, tokens=prompt) for router in routers}
+        assert len(choices) == 1, (g, choices)
+        picked.append(choices.pop())
+    assert len(set(picked)) > 1  # the events decided, not one fixed favourite
