@@ -255,7 +255,7 @@ def test_routers_fed_the_same_events_in_any_interleaving_choose_alike() -> None:
         return policy
 
     routers = [fed(seed) for seed in (1, 2, 3)]
-    workers = [worker("c", load=1), worker("a"), worker("b", load=2)]
+    workers = [worker("c"), worker("a"), worker("b")]
     picked = []
     for g, prefix in enumerate(prefixes):
         prompt = prefix + [g] * 3
