@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +23,8 @@ from genmesh.testkit.common import serving
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang import build_app as sglang_app
 from genmesh.testkit.vllm import build_app as vllm_app
+from tests.mesh import free_port
+from tests.testkit.test_sglang_server import eventually
 
 pytestmark = pytest.mark.inproc
 
@@ -166,8 +170,11 @@ async def test_sglang_decode_of_an_aborted_prefill_fails_500() -> None:
     async with trio("sglang") as t:
         body = sglang_body(9, t.prefill_port, rid="p9")
         prefill = asyncio.create_task(post(f"{t.prefill}/generate", body))
-        while not (await get(f"{t.prefill}/testkit/pd"))["handles"]:
-            await asyncio.sleep(0.01)
+
+        async def offered() -> bool:
+            return bool((await get(f"{t.prefill}/testkit/pd"))["handles"])
+
+        await eventually(offered)
         await post(f"{t.prefill}/abort_request", {"rid": "p9"})
         status, reply = await post(f"{t.decode}/generate", {**body, "rid": "d9"})
         await prefill
@@ -314,8 +321,52 @@ async def test_vllm_streaming_decode_failure_is_in_band() -> None:
 
 
 async def test_default_servers_have_no_pd_routes() -> None:
-    async with serving(sglang_app(BASE)) as s, serving(vllm_app(BASE)) as v:
-        async with aiohttp.ClientSession() as session:
-            for url in (s, v):
-                async with session.get(f"{url}/testkit/pd") as resp:
-                    assert resp.status == 404
+    async with (
+        serving(sglang_app(BASE)) as s,
+        serving(vllm_app(BASE)) as v,
+        aiohttp.ClientSession() as session,
+    ):
+        for url in (s, v):
+            async with session.get(f"{url}/testkit/pd") as resp:
+                assert resp.status == 404
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+@contextlib.asynccontextmanager
+async def cli_server(engine: str, mode: str) -> AsyncIterator[str]:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "genmesh", "testkit", engine, "--port", str(port),
+        "--vocab-size", "1000", "--eos-token-id", "7", "--disaggregation-mode", mode,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        await asyncio.wait_for(proc.stdout.readline(), 30)
+        yield f"http://127.0.0.1:{port}"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.process
+async def test_two_cli_processes_pair() -> None:
+    async with (
+        cli_server("sglang", "prefill") as prefill,
+        cli_server("sglang", "decode") as decode,
+        serving(sglang_app(BASE)) as agg,
+    ):
+        body = sglang_body(11, int(prefill.rsplit(":", 1)[1]))
+        (_, pre), (status, dec) = await asyncio.gather(
+            post(f"{prefill}/generate", body), post(f"{decode}/generate", body)
+        )
+        _, expected = await post(f"{agg}/generate", body)
+        assert (await get(f"{prefill}/testkit/pd"))["handles"] == []
+    assert status == 200
+    assert pre["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert dec["output_ids"] == expected["output_ids"]
