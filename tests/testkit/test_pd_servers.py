@@ -134,7 +134,7 @@ async def test_sglang_request_without_room_is_refused(side: str) -> None:
     assert status == 400
     assert body == {
         "error": {
-            "message": "Invalid request: Disaggregated request received without boostrap "
+            "message": "Invalid request: Disaggregated request received without bootstrap "
             "room id. rid='r1'"
         }
     }
@@ -301,8 +301,9 @@ async def test_vllm_decode_whose_blocks_cannot_be_read_fails_500(case: str) -> N
         else:
             params = {**params, "remote_port": 1}
         status, reply = await post(f"{t.decode}{VLLM_PATH}", {**body, "kv_transfer_params": params})
-        if case == "dead":  # unread blocks are freed after the abort timeout (then no leak)
-            assert (await get(f"{t.prefill}/testkit/pd"))["handles"] == ["generate-tokens-r-dead"]
+        if case in ("dead", "wrong_engine"):  # unread blocks stay until the abort timeout
+            kept = (await get(f"{t.prefill}/testkit/pd"))["handles"]
+            assert kept == [f"generate-tokens-r-{case}"]
             await asyncio.sleep(0.3)
     assert status == 500
     assert reply == LOAD_FAILED
@@ -370,3 +371,56 @@ async def test_two_cli_processes_pair() -> None:
     assert status == 200
     assert pre["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert dec["output_ids"] == expected["output_ids"]
+
+
+async def stream_events(url: str, body: dict[str, Any]) -> list[Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    datas = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in datas]
+
+
+async def test_sglang_streaming_decode_streams_the_aggregated_tokens() -> None:
+    async with trio("sglang") as t:
+        body = sglang_body(21, t.prefill_port)
+        _, agg = await post(f"{t.agg}/generate", body)
+        (_, pre), events = await asyncio.gather(
+            post(f"{t.prefill}/generate", body), stream_events(f"{t.decode}/generate", body)
+        )
+    assert events[-1] == "[DONE]"
+    assert events[-2]["output_ids"] == agg["output_ids"]  # cumulative chunks
+    assert events[0]["output_ids"] == pre["output_ids"]
+
+
+async def test_sglang_streamed_request_without_room_aborts_before_any_token() -> None:
+    async with trio("sglang") as t:
+        events = await stream_events(f"{t.decode}/generate", sglang_body(None, 0, rid="s1"))
+    chunk, done = events
+    assert done == "[DONE]"
+    assert chunk["output_ids"] == []
+    assert chunk["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Invalid request: Disaggregated request received without bootstrap room "
+        "id. rid='s1'",
+        "status_code": 400,
+        "err_type": "BadRequestError",
+    }
+
+
+async def test_sglang_prefill_client_gone_fails_its_decode() -> None:
+    async with trio("sglang") as t:
+        body = sglang_body(31, t.prefill_port, rid="p31")
+        async with aiohttp.ClientSession() as s:
+            gone = asyncio.create_task(s.post(f"{t.prefill}/generate", json=body))
+
+            async def offered() -> bool:
+                return bool((await get(f"{t.prefill}/testkit/pd"))["handles"])
+
+            await eventually(offered)
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        status, reply = await post(f"{t.decode}/generate", {**body, "rid": "d31"})
+    assert status == 500
+    assert reply["message"].endswith("KVTransferError(bootstrap_room=31): Aborted by AbortReq.")

@@ -7,7 +7,8 @@ connector: by request id, the blocks freed after `VLLM_NIXL_ABORT_REQUEST_TIMEOU
 nobody reads them). The mocks stand the transfer in with one HTTP call on the prefill
 server's own port: `GET /testkit/pd/kv/{key}?wait_s=S` waits up to S seconds for the
 handle to be offered, then answers it once (200 `{"payload"}`) and forgets it; 404
-`{"error"}` if it never came or has expired, 410 `{"error"}` if its prefill failed.
+`{"error"}` if it never came or has expired, 410 `{"error"}` if its prefill failed or its
+payload differs from the other query parameters (the handle then stays).
 `GET /testkit/pd` answers `{"mode", "handles": [keys]}`: what a test checks for leaks.
 """
 
@@ -73,6 +74,9 @@ class Handles:
         abort = asyncio.ensure_future(aborted.wait())
         try:
             await asyncio.wait({taken, abort}, timeout=timeout, return_when=FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the prefill's client went away: SGLang aborts it
+            self.fail(key, ABORTED)
+            raise
         finally:
             taken.cancel()
             abort.cancel()
@@ -84,8 +88,12 @@ class Handles:
         self._forget(key, handle)
         return f"timed out after {timeout:g}s waiting for the decode instance to take the KV"
 
-    async def take(self, key: str, wait_s: float) -> dict[str, Any]:
-        """The handle for `key`, once, after waiting up to `wait_s` for it to be offered."""
+    async def take(
+        self, key: str, wait_s: float, match: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The handle for `key`, once, after waiting up to `wait_s` for it to be offered.
+        A handle whose payload differs from `match` stays (vLLM's NIXL handshake refuses
+        another engine before any read)."""
         self._expire()
         handle = self._slot(key)
         try:
@@ -95,6 +103,11 @@ class Handles:
         finally:
             if not handle.ready.is_set():
                 self._forget(key, handle)
+        payload = handle.payload or {}
+        if handle.failure is None and any(
+            str(payload.get(k)) != v for k, v in (match or {}).items()
+        ):
+            raise TransferFailed(f"the KV handle for {key} belongs to another engine")
         self._forget(key, handle)
         handle.taken.set()
         if handle.failure is not None:
@@ -138,7 +151,8 @@ async def _take(request: web.Request) -> web.Response:
         return web.json_response({"error": "not a prefill server"}, status=404)
     try:
         wait_s = float(request.query.get("wait_s", "0"))
-        payload = await handles.take(request.match_info["key"], wait_s)
+        match = {k: v for k, v in request.query.items() if k != "wait_s"}
+        payload = await handles.take(request.match_info["key"], wait_s, match)
     except ValueError:
         return web.json_response({"error": "wait_s must be a number"}, status=400)
     except TransferFailed as exc:
@@ -147,16 +161,19 @@ async def _take(request: web.Request) -> web.Response:
     return web.json_response({"payload": payload})
 
 
-async def fetch(host: str, port: int, key: str, wait_s: float) -> dict[str, Any]:
+async def fetch(
+    host: str, port: int, key: str, wait_s: float, match: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The decode side: take `key`'s handle from the prefill server at host:port, waiting
-    up to `wait_s` for it; `TransferFailed` with the reason otherwise (also when the prefill
-    server cannot be reached: a dead prefill instance)."""
+    up to `wait_s` for it (only if its payload has the fields `match` names); `TransferFailed`
+    with the reason otherwise (also when the prefill server cannot be reached: a dead
+    prefill instance)."""
     url = f"http://{host}:{port}/testkit/pd/kv/{key}"
     timeout = aiohttp.ClientTimeout(total=wait_s + 5)
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
-            session.get(url, params={"wait_s": str(wait_s)}) as resp,
+            session.get(url, params={**(match or {}), "wait_s": str(wait_s)}) as resp,
         ):
             body = await resp.json()
             if resp.status != 200:

@@ -2,7 +2,8 @@
 request brings, and the scheduler's words when a disaggregated request cannot run.
 
 Sources: sgl-project/sglang python/sglang/srt/managers/scheduler.py
-(`handle_generate_request`: a request without a room is aborted with 400),
+(`handle_generate_request`: a request without a room is aborted with 400 before it is
+queued; older releases spelt it "boostrap"),
 python/sglang/srt/disaggregation/decode.py (`pop_transferred`: "Decode transfer failed
 ...", 500), python/sglang/srt/disaggregation/prefill.py (`process_disagg_prefill_inflight_
 queue`: "Prefill transfer failed ...", 500; a finished transfer ends the request with
@@ -52,7 +53,7 @@ def bootstrap_of(body: JSON, index: int) -> Bootstrap | None:
 
 
 def missing_room(rid: str) -> str:
-    return f"Invalid request: Disaggregated request received without boostrap room id. {rid=}"
+    return f"Invalid request: Disaggregated request received without bootstrap room id. {rid=}"
 
 
 def _transfer_error(room: int, reason: str) -> str:

@@ -72,8 +72,6 @@ class Scheduler:
         if self.config.disaggregation_mode != "null":
             for it in items:
                 it.bootstrap = pd.bootstrap_of(body, it.index)
-                if it.bootstrap is None and it.scheduler_abort is None:
-                    it.scheduler_abort = pd.missing_room(it.rid)
         return items, single
 
     def abort(self, rid: str = "", *, abort_all: bool = False) -> list[str]:
@@ -146,6 +144,11 @@ class Generation:
 
     async def _run(self) -> bool:
         """Generate; True when a final output was produced."""
+        it = self.item
+        if self.scheduler.config.disaggregation_mode != "null" and it.bootstrap is None:
+            # handle_generate_request: aborted before it is queued, no forward pass.
+            self._emit("final", scheduler_abort(it, [], pd.missing_room(it.rid), self.created))
+            return True
         if await self._waiting():
             self._emit("final", waiting_abort(self.item))
             return True

@@ -42,13 +42,12 @@ async def receive(params: dict[str, Any] | None, wait_s: float) -> None:
     ):
         return
     try:
-        got = await fetch(
+        await fetch(
             str(params.get("remote_host")),
             int(params.get("remote_port") or 0),
             str(params.get("remote_request_id")),
             wait_s,
+            match={"engine_id": str(params.get("remote_engine_id"))},
         )
     except (TransferFailed, ValueError):
         raise ApiError(LOAD_FAILED, 500) from None
-    if got["engine_id"] != params.get("remote_engine_id"):
-        raise ApiError(LOAD_FAILED, 500)
