@@ -424,3 +424,29 @@ async def test_sglang_prefill_client_gone_fails_its_decode() -> None:
         status, reply = await post(f"{t.decode}/generate", {**body, "rid": "d31"})
     assert status == 500
     assert reply["message"].endswith("KVTransferError(bootstrap_room=31): Aborted by AbortReq.")
+
+
+async def test_the_transfer_route_answers() -> None:
+    async with trio("vllm") as t, aiohttp.ClientSession() as s:
+        body = vllm_body(request_id="q")
+        _, pre = await post(f"{t.prefill}{VLLM_PATH}", to_prefill(body))
+        engine = pre["kv_transfer_params"]["remote_engine_id"]
+        kv = f"{t.prefill}/testkit/pd/kv"
+        cases = [
+            (f"{kv}/none?wait_s=0", 404, {"error": "no KV handle for none"}),
+            (f"{t.decode}/testkit/pd/kv/x", 404, {"error": "not a prefill server"}),
+            (f"{kv}/generate-tokens-q?wait_s=x", 400, {"error": "wait_s must be a number"}),
+            (
+                f"{kv}/generate-tokens-q?engine_id=other",
+                410,
+                {"error": "the KV handle for generate-tokens-q belongs to another engine"},
+            ),
+            (
+                f"{kv}/generate-tokens-q?engine_id={engine}",
+                200,
+                {"payload": {"engine_id": engine, "block_ids": [[0, 1]]}},
+            ),
+        ]
+        for url, status, answer in cases:
+            async with s.get(url) as resp:
+                assert (resp.status, await resp.json()) == (status, answer), url

@@ -28,7 +28,12 @@ ABORTED = "Aborted by AbortReq."
 
 
 class TransferFailed(Exception):
-    """The decode side could not take the handle: the reason, as the prefill side said."""
+    """The decode side could not take the handle: the reason, as the prefill side said,
+    and the status the prefill's route answers it with (404: no such handle)."""
+
+    def __init__(self, reason: str, status: int = 410) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 @dataclass(slots=True)
@@ -97,9 +102,10 @@ class Handles:
         self._expire()
         handle = self._slot(key)
         try:
-            await asyncio.wait_for(handle.ready.wait(), wait_s)
+            if not handle.ready.is_set():  # (wait_for with 0 s times out even when it is)
+                await asyncio.wait_for(handle.ready.wait(), wait_s)
         except TimeoutError:
-            raise TransferFailed(f"no KV handle for {key}") from None
+            raise TransferFailed(f"no KV handle for {key}", 404) from None
         finally:
             if not handle.ready.is_set():
                 self._forget(key, handle)
@@ -156,8 +162,7 @@ async def _take(request: web.Request) -> web.Response:
     except ValueError:
         return web.json_response({"error": "wait_s must be a number"}, status=400)
     except TransferFailed as exc:
-        status = 404 if str(exc).startswith("no KV handle") else 410
-        return web.json_response({"error": str(exc)}, status=status)
+        return web.json_response({"error": str(exc)}, status=exc.status)
     return web.json_response({"payload": payload})
 
 
