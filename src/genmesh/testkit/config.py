@@ -42,6 +42,22 @@ class MockServerConfig:
         '(the engine\'s JSON: SGLang \'{"publisher": "zmq", "endpoint": '
         '"tcp://*:5557"}\', vLLM \'{"enable_kv_cache_events": true, ...}\')',
     )
+    # SGLang's --disaggregation-mode (vLLM's NIXL kv_role, under the same flag here): two
+    # mock servers pair up as prefill and decode (testkit/pd.py; engine-apis.md §C).
+    disaggregation_mode: str = option(
+        "null",
+        env="GENMESH_TESTKIT_DISAGGREGATION_MODE",
+        choices=("null", "prefill", "decode"),
+        help="P/D role: prefill holds each request's KV handle (by bootstrap_room, or "
+        "NIXL kv_transfer_params) until its decode server takes it; null = aggregated",
+    )
+    disaggregation_timeout_s: float = option(
+        30.0,
+        env="GENMESH_TESTKIT_DISAGGREGATION_TIMEOUT_S",
+        parse=non_negative_float,
+        help="P/D: how long a decode waits for its prefill's KV handle, and how long a "
+        "prefill keeps one nobody takes",
+    )
     # SGLang: --incremental-streaming-output (deltas) instead of cumulative chunks.
     incremental: bool = option(False, help="SGLang: incremental (delta) streaming output")
     # vLLM: --enable-prompt-tokens-details; without it vLLM's usage never says what was

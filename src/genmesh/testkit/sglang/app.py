@@ -18,6 +18,7 @@ from genmesh.engines.faults import Fault, ServerState
 from genmesh.testkit.common import add_admin_routes
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.kv_events import add_kv_event_routes
+from genmesh.testkit.pd import add_pd_routes
 from genmesh.testkit.sglang.info import InfoRoutes
 from genmesh.testkit.sglang.normalize import Item
 from genmesh.testkit.sglang.request import JSON, Malformed, Rejected, as_bool, check_body
@@ -234,6 +235,8 @@ def build_app(config: MockServerConfig) -> web.Application:
     add_admin_routes(app, state)
     if server.scheduler.cache is not None:
         add_kv_event_routes(app, server.scheduler.cache.publisher)
+    if config.disaggregation_mode != "null":
+        add_pd_routes(app, server.scheduler.handles)
     app.router.add_route("POST", "/generate", server.generate)
     app.router.add_route("PUT", "/generate", server.generate)
     app.router.add_post("/abort_request", server.abort_request)

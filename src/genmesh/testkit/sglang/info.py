@@ -106,7 +106,7 @@ class InfoRoutes:
             "enable_metrics": False,
             "api_key": None,
             "admin_api_key": None,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": c.disaggregation_mode,
             "disaggregation_bootstrap_port": 8998,
             "disaggregation_transfer_backend": "mooncake",
         }

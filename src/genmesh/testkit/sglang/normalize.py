@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genmesh.testkit.config import MockServerConfig
+from genmesh.testkit.sglang.pd import Bootstrap
 from genmesh.testkit.sglang.request import JSON, Rejected, is_int
 from genmesh.testkit.sglang.sampling import parse_sampling
 
@@ -57,6 +58,8 @@ class Item:
     routed_experts_start: int
     # A 400 abort the scheduler raises for this request (`set_finish_with_abort`).
     scheduler_abort: str | None = None
+    # P/D (--disaggregation-mode): where the KV comes from or goes to.
+    bootstrap: Bootstrap | None = None
 
 
 def normalize(body: JSON, config: MockServerConfig) -> tuple[list[Item], bool]:

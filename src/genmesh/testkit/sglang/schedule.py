@@ -28,6 +28,8 @@ from genmesh.engines.prefix_cache import RequestBlocks
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.kv_cache import ServerCache, server_cache
+from genmesh.testkit.pd import Handles, TransferFailed, fetch
+from genmesh.testkit.sglang import pd
 from genmesh.testkit.sglang.normalize import Item, normalize
 from genmesh.testkit.sglang.request import JSON, Rejected
 from genmesh.testkit.sglang.response import (
@@ -59,12 +61,17 @@ class Scheduler:
         self.cache: ServerCache | None = server_cache(
             "sglang", config, config.block_size or DEFAULT_PAGE_SIZE
         )
+        # P/D: the KV handles this prefill server holds for its decode servers.
+        self.handles = Handles(config.disaggregation_mode, config.disaggregation_timeout_s)
 
     def admit(self, body: JSON) -> tuple[list[Item], bool]:
         items, single = normalize(body, self.config)
         for it in items:
             if it.rid in self.state.running:
                 raise Rejected(f"Duplicate request ID: {it.rid} is already running.")
+        if self.config.disaggregation_mode != "null":
+            for it in items:
+                it.bootstrap = pd.bootstrap_of(body, it.index)
         return items, single
 
     def abort(self, rid: str = "", *, abort_all: bool = False) -> list[str]:
@@ -137,6 +144,11 @@ class Generation:
 
     async def _run(self) -> bool:
         """Generate; True when a final output was produced."""
+        it = self.item
+        if self.scheduler.config.disaggregation_mode != "null" and it.bootstrap is None:
+            # handle_generate_request: aborted before it is queued, no forward pass.
+            self._emit("final", scheduler_abort(it, [], pd.missing_room(it.rid), self.created))
+            return True
         if await self._waiting():
             self._emit("final", waiting_abort(self.item))
             return True
@@ -151,7 +163,49 @@ class Generation:
         state = self._prompt_pass()
         if self.blocks is not None:
             self.blocks.prefilled()
-        return await self._decode(state)
+        mode = self.scheduler.config.disaggregation_mode
+        if mode == "prefill":
+            return await self._prefill(state)
+        first = None
+        if mode == "decode":
+            first = await self._receive()
+            if first is None:
+                return True
+        return await self._decode(state, first)
+
+    async def _prefill(self, state: int) -> bool:
+        """P/D prefill: sample the first token, hand it (with the KV) to the decode side of
+        the room, and once it has been taken reply with that token alone."""
+        it = self.item
+        assert it.bootstrap is not None
+        token, logprob = self._sample(state, 0, self.banned)
+        self._record(state, token, logprob)
+        handles = self.scheduler.handles
+        key = str(it.bootstrap.room)
+        handles.offer(key, {"token": token, "logprob": logprob})
+        timeout = self.scheduler.config.disaggregation_timeout_s
+        failure = await handles.wait_taken(key, timeout, self.running.aborted)
+        if failure is None:
+            self._emit("final", self._out(pd.PREFILL_FINISH))
+        else:
+            message = pd.prefill_failed(it.rid, it.bootstrap.room, failure)
+            self._emit("final", self._out(abort_reason(message, 500)))
+        return True
+
+    async def _receive(self) -> tuple[int, float] | None:
+        """P/D decode: the first token and its logprob from the prefill of the room, or
+        None after finishing with the engine's 500 abort."""
+        it = self.item
+        boot = it.bootstrap
+        assert boot is not None
+        wait_s = self.scheduler.config.disaggregation_timeout_s
+        try:
+            got = await fetch(boot.host, boot.port, str(boot.room), wait_s)
+        except TransferFailed as exc:
+            message = pd.decode_failed(it.rid, boot.room, str(exc))
+            self._emit("final", self._out(abort_reason(message, 500)))
+            return None
+        return int(got["token"]), float(got["logprob"])
 
     async def _waiting(self) -> bool:
         """The prefill delay, spent in the waiting queue; True if aborted meanwhile."""
@@ -175,7 +229,8 @@ class Generation:
         record = self.record
         state = initial_state(it.seed)
         for i, tid in enumerate(it.prompt):
-            if it.return_logprob and i >= it.logprob_start:
+            # A P/D decode computes no prompt logprobs: the prefill ran the prompt.
+            if it.return_logprob and i >= it.logprob_start and not self.decode_only:
                 # SGLang's shift: the first requested position has no logprob.
                 first = i == it.logprob_start
                 record.in_lps.append(triple(None if first else model.logprob(state, tid), tid))
@@ -188,10 +243,10 @@ class Generation:
                 record.rows.append(self.scheduler.experts.row(state))
         return state
 
-    async def _decode(self, state: int) -> bool:
-        """Decode steps from `state` until a finish (True) or a transport fault (False)."""
+    async def _decode(self, state: int, first: tuple[int, float] | None = None) -> bool:
+        """Decode steps from `state` until a finish (True) or a transport fault (False);
+        `first`: the first token and its logprob, sampled by a P/D prefill."""
         it = self.item
-        banned = it.stop_token_ids if it.ignore_eos else it.stop_token_ids | {self.eos}
         fault = self.fault
         k = 0
         while True:
@@ -207,7 +262,9 @@ class Generation:
                 return True
             if k:
                 await asyncio.sleep(self.scheduler.state.token_delay_s)
-            token, logprob = self._sample(state, k, banned)
+            token, logprob = (
+                first if k == 0 and first is not None else self._sample(state, k, self.banned)
+            )
             self._record(state, token, logprob)
             if self.blocks is not None:
                 self.blocks.extend([token])
@@ -257,6 +314,15 @@ class Generation:
     @property
     def eos(self) -> int:
         return self.scheduler.config.eos_token_id
+
+    @property
+    def banned(self) -> frozenset[int]:
+        it = self.item
+        return it.stop_token_ids if it.ignore_eos else it.stop_token_ids | {self.eos}
+
+    @property
+    def decode_only(self) -> bool:
+        return self.scheduler.config.disaggregation_mode == "decode"
 
     def _top(self, state: int) -> list[LogprobEntry]:
         return [

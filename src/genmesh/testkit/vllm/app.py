@@ -22,6 +22,8 @@ from genmesh.testkit.common import add_admin_routes
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.kv_cache import server_cache
 from genmesh.testkit.kv_events import add_kv_event_routes
+from genmesh.testkit.pd import Handles, add_pd_routes
+from genmesh.testkit.vllm import pd
 from genmesh.testkit.vllm.errors import ApiError, error_body
 from genmesh.testkit.vllm.info import metrics_handler
 from genmesh.testkit.vllm.request import (
@@ -62,6 +64,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return error_response(exc)
     _log_request(request, options, body)
     problem = engine_check(options, config)
+    if problem is None and config.disaggregation_mode == "decode":
+        try:
+            await pd.receive(options.kv_transfer_params, config.disaggregation_timeout_s)
+        except ApiError as exc:
+            problem = exc
     if problem is None:
         return await _run(request, options, engine)
     if not options.stream:
@@ -220,7 +227,12 @@ def build_app(config: MockServerConfig, *, profile: Profile = "new") -> web.Appl
     state = ServerState(token_delay_s=config.token_delay_ms / 1000)
     add_admin_routes(app, state)
     cache = server_cache("vllm", config, config.block_size or KV_BLOCK_SIZE)
-    app[ENGINE] = Engine(config, profile, state, cache=cache)
+    handles = None
+    if config.disaggregation_mode != "null":
+        handles = Handles(config.disaggregation_mode, config.disaggregation_timeout_s)
+        add_pd_routes(app, handles)
+    prefill_handles = handles if config.disaggregation_mode == "prefill" else None
+    app[ENGINE] = Engine(config, profile, state, cache=cache, handles=prefill_handles)
     if cache is not None:
         add_kv_event_routes(app, cache.publisher)
     app[REQUEST_LOG] = deque(maxlen=_REQUEST_LOG_LIMIT)

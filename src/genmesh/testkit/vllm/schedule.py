@@ -30,6 +30,8 @@ from genmesh.shared.kv_events import block_extra_keys
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.kv_cache import ServerCache
+from genmesh.testkit.pd import Handles
+from genmesh.testkit.vllm import pd
 from genmesh.testkit.vllm.decode import Sample, prompt_state
 from genmesh.testkit.vllm.errors import error_body
 from genmesh.testkit.vllm.request import ENGINE_ID_PREFIX, GenerateOptions, budget
@@ -61,6 +63,8 @@ class Engine:
     next_block: int = 0
     # The prefix cache, with --kv-events-config.
     cache: ServerCache | None = None
+    # P/D (--disaggregation-mode prefill): the KV blocks kept for decode servers.
+    handles: Handles | None = None
 
     def admit(self, engine_id: str) -> tuple[str, Running]:
         """Start a request under a key of its own: vLLM tells duplicate ids apart
@@ -275,16 +279,22 @@ class Run:
         transport = self.request.transport
         sockname = transport.get_extra_info("sockname") if transport is not None else None
         host = sockname[0] if isinstance(sockname, tuple) else "127.0.0.1"
-        return {
+        handles = self.engine.handles
+        # A P/D prefill mock's side channel is its own HTTP port (testkit/pd.py).
+        port = sockname[1] if handles is not None and sockname else NIXL_SIDE_CHANNEL_PORT
+        out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [list(range(start, start + count))],
             "remote_engine_id": self.engine.engine_uuid,
             "remote_request_id": self.options.engine_id,
             "remote_host": host,
-            "remote_port": NIXL_SIDE_CHANNEL_PORT,
+            "remote_port": port,
             "tp_size": 1,
         }
+        if handles is not None:
+            pd.offer(handles, out)
+        return out
 
     async def apply_fault(self, fault: Fault) -> web.StreamResponse | None:
         """Act out an injected fault; a response ends the request, None carries on."""
