@@ -3,36 +3,30 @@ scheduler step, to every subscriber.
 
 vLLM's scheduler takes its block pool's events once per step and publishes them as one
 `KVEventBatch` (vllm/v1/core/sched/scheduler.py, `update_from_output`, then
-vllm/distributed/kv_events.py `ZmqEventPublisher`). The mock has no step loop of its own:
-its requests advance as event-loop turns, so a step is one turn, and what the turn's
-requests queued goes out as one batch at the start of the next. Like a ZMQ PUB socket, a
-feed drops what happens while nobody subscribes.
+vllm/distributed/kv_events.py `ZmqEventPublisher`); the mock's `BlockPool` hands over each
+step's events (`on_step`: a step is an event-loop turn). Like a ZMQ PUB socket, a feed
+drops what happens while nobody subscribes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from genmesh.shared.kv_events import KvEvent, KvEventBatch
 
 if TYPE_CHECKING:
-    from genmesh.engines.prefix_cache import BlockPool
+    pass
 
 
 class KvEventFeed:
     def __init__(self) -> None:
         self._subscribers: set[KvEventSubscription] = set()
 
-    def pending(self, pool: BlockPool) -> None:
-        """A `BlockPool`'s `on_pending`: publish what it queued once this turn is over."""
-        asyncio.get_running_loop().call_soon(self._publish, pool.take_events)
-
-    def _publish(self, take: Callable[[], list[KvEvent]]) -> None:
-        events = take()
-        if not events or not self._subscribers:
+    def publish(self, events: list[KvEvent]) -> None:
+        """A `BlockPool`'s `on_step`: one step's events, as one batch to every subscriber."""
+        if not self._subscribers:
             return
         batch = KvEventBatch(time.time(), events)
         for subscription in self._subscribers:

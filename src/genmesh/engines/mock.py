@@ -277,7 +277,7 @@ class MockEngine:
             BlockPool(
                 self.config.kv_capacity_blocks,
                 self.config.block_size,
-                on_pending=self._kv_feed.pending,
+                on_step=self._kv_feed.publish,
             )
             if self.config.caches_prefixes
             else None

@@ -40,6 +40,7 @@ Where the mock departs from vLLM, and why:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -78,20 +79,23 @@ class _Block:
 
 
 class BlockPool:
-    """`num_blocks` blocks of `block_size` tokens. `on_pending(pool)` is called when an
-    event is queued while none was: the owner's cue to take them at the end of its step."""
+    """`num_blocks` blocks of `block_size` tokens. With `on_step`, the events of each
+    scheduler step go to `on_step(events)` when the step is over: the mock has no step loop
+    of its own (its requests advance as event-loop turns), so a step is one turn, and what
+    a turn queued is taken at the start of the next. Without, the owner calls
+    `take_events` itself."""
 
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
-        on_pending: Callable[[BlockPool], None] | None = None,
+        on_step: Callable[[list[KvEvent]], None] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._on_pending = on_pending
+        self._on_step = on_step
         # Freed blocks in the order they are handed out: blank ones first, then cached
         # ones least recently used first. Blocks never used yet are made when first
         # needed (`_unused` of them are left), so a big idle pool costs nothing.
@@ -137,9 +141,14 @@ class BlockPool:
     # -- for RequestBlocks ---------------------------------------------------------------
 
     def _emit(self, event: KvEvent) -> None:
-        if not self._events and self._on_pending is not None:
-            self._on_pending(self)
+        if not self._events and self._on_step is not None:
+            asyncio.get_running_loop().call_soon(self._step_over)
         self._events.append(event)
+
+    def _step_over(self) -> None:
+        events = self.take_events()
+        if events and self._on_step is not None:
+            self._on_step(events)
 
     def _lookup(self, block_hash: bytes) -> _Block | None:
         return self._cached.get(block_hash)

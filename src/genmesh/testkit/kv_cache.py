@@ -23,7 +23,6 @@ as before.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +97,7 @@ class ServerCache:
         rank: int | None,
     ) -> None:
         blocks, block_size = pool_size
-        self.pool = BlockPool(blocks, block_size, on_pending=self._pending)
+        self.pool = BlockPool(blocks, block_size, on_step=self._publish)
         self.publisher = publisher
         self._convert = convert
         self._rank = rank
@@ -109,14 +108,8 @@ class ServerCache:
     def clear(self) -> bool:
         return self.pool.clear()
 
-    def _pending(self, pool: BlockPool) -> None:
-        asyncio.get_running_loop().call_soon(self._publish)
-
-    def _publish(self) -> None:
-        events = self.pool.take_events()
-        if events:
-            batch = KvEventBatch(time.time(), self._convert(events), self._rank)
-            self.publisher.publish(batch)
+    def _publish(self, events: list[KvEvent]) -> None:
+        self.publisher.publish(KvEventBatch(time.time(), self._convert(events), self._rank))
 
 
 def server_cache(engine: str, config: MockServerConfig, block_size: int) -> ServerCache | None:
