@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.engines.base import Engine
+from genmesh.engines.base import ROLE_BOTH, Engine, disaggregating
 from genmesh.engines.execute import execute
 from genmesh.services.worker import tracing as worker_tracing
 from genmesh.services.worker.admin import ABORTED, AdminHandlers, abort_end_frame
@@ -138,6 +138,12 @@ class Worker(Service):
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        pd = disaggregating(self.engine)
+        if self.config.role != ROLE_BOTH and pd is None:
+            raise ValueError(
+                f"the {self.engine.name} engine cannot take part in prefill/decode "
+                f"disaggregation (--role {self.config.role})"
+            )
         async with contextlib.AsyncExitStack() as stack:
             await self.engine.start()
             stack.push_async_callback(self.engine.close)
@@ -147,6 +153,8 @@ class Worker(Service):
                     "worker %s: waiting for its %s engine", self.worker_id, self.engine.name
                 )
             stack.push_async_callback(self._tasks.close)
+            if pd is not None and self.config.role != ROLE_BOTH:
+                await pd.pd_attach(self.nc, self.subjects, self.worker_id)
             on_publish_denied(self.nc, self._on_publish_denied)
             subs = []
             kv_events = self.engine.kv_events()
@@ -237,6 +245,10 @@ class Worker(Service):
             card["kv_blocks_total"] = kv.total_blocks
         if self.kv_relay is not None:
             card[KV_EVENTS_CARD_KEY] = True
+        card["role"] = self.config.role
+        pd = disaggregating(self.engine)
+        if pd is not None and self.config.role != ROLE_BOTH:
+            card["disagg"] = {"kind": pd.pd_kind, **pd.pd_card()}
         return card
 
     async def _announce(self) -> None:
