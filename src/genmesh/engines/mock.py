@@ -13,10 +13,10 @@ by a speed-up factor; speed-up 0 means an instant engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import zlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -479,22 +479,8 @@ class MockEngine:
             # Instant, but still a scheduling point: cancellation lands between tokens.
             await asyncio.sleep(0)
 
-    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
-        budget = self._check(env)
-        # A bad logit_bias is refused here, before any output.
-        bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
-        first, state = self._prompt_pass(env)
-        run = _Run(self, env, budget)
-        try:
-            await self._prefill(run)
-            first.cached_tokens = run.cached
-            async with contextlib.aclosing(
-                self._outputs(env, run, first, state, budget, bias)
-            ) as outputs:
-                async for out in outputs:
-                    yield out
-        finally:
-            run.end()
+    def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        return self._generation(env, self._prefill)
 
     def _prompt_pass(self, env: Envelope) -> tuple[EngineOutput, int]:
         """The prompt through the token model: the first output with what it reports of
@@ -541,143 +527,157 @@ class MockEngine:
             first.routed_experts = rows
         return first, state
 
-    async def _prefill(self, run: _Run) -> None:
-        """The prompt's forward pass: its time, from the tokens not found cached."""
+    async def _prefill(self, env: Envelope, run: _Run) -> tuple[EngineOutput, int]:
+        """The prompt's pass and its forward pass's time (from the tokens not found
+        cached): the first output and the state, as `_generation`'s `begin`."""
+        first, state = self._prompt_pass(env)
         if self.config.speedup > 0:
             # (An instant prefill is no scheduling point: the first token comes in the
             # request's first step, and goes out with the worker's ack.)
             await self._sleep_ms(prefill_ms(run.prompt_tokens - run.cached))
         if run.blocks is not None:
             run.blocks.prefilled()
+        first.cached_tokens = run.cached
+        return first, state
 
-    async def _outputs(
+    async def _generation(
         self,
         env: Envelope,
-        run: _Run,
-        first: EngineOutput,
-        state: int,
-        budget: int,
-        bias: dict[int, float] | None,
+        begin: Callable[[Envelope, _Run], Awaitable[tuple[EngineOutput, int]]],
     ) -> AsyncGenerator[EngineOutput, None]:
-        """The generation from the sequence's `state` after the prompt on: `first` (what
-        was reported of the prompt) with the first tokens, and the outputs after it."""
-        if budget == 0:
-            yield _ends_after_prompt(first, run.prompt_tokens)
-            return
-        model = self.model
-        prompt_len = run.prompt_tokens
-        cached = first.cached_tokens or 0
-        want_lp = env.output.logprobs
-        k = env.output.top_logprobs
-        experts_from = env.output.routed_experts_start
-        listed = env.output.logprob_token_ids
-        blocks = run.blocks
-        # logit_bias changes the greedy pick; what logprobs show depends on the engine
-        # the format speaks: SGLang's are after the bias, vLLM's before (logit_bias.py).
-        biased_logprobs = bias is not None and env.format in BIASED_LOGPROB_FORMATS
+        """One generation: refused before any output if it must be, brought to the end of
+        its prompt by `begin` (which gives the first output, with what it reports of the
+        prompt, and the token model's state there: `_prefill` runs the prompt, a decode
+        pulls it), then sampled token by token."""
+        budget = self._check(env)
+        # A bad logit_bias is refused here, before any output.
+        bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
+        run = _Run(self, env, budget)
+        # Output tokens in the KV accounting (`kv_usage` without a cache) until the end.
+        made = 0
+        try:
+            first, state = await begin(env, run)
+            if budget == 0:
+                yield _ends_after_prompt(first, run.prompt_tokens)
+                return
+            model = self.model
+            prompt_len = run.prompt_tokens
+            cached = first.cached_tokens or 0
+            want_lp = env.output.logprobs
+            k = env.output.top_logprobs
+            experts_from = env.output.routed_experts_start
+            listed = env.output.logprob_token_ids
+            blocks = run.blocks
+            # logit_bias changes the greedy pick; what logprobs show depends on the engine
+            # the format speaks: SGLang's are after the bias, vLLM's before (logit_bias.py).
+            biased_logprobs = bias is not None and env.format in BIASED_LOGPROB_FORMATS
 
-        def listed_at(at: int, step: BiasedStep | None) -> TopLogprobs:
-            if step is not None and bias is not None:
-                return [
-                    (tid, step.logprob(model.logprob(at, tid) + bias.get(tid, 0.0)))
-                    for tid in listed or ()
-                ]
-            return [(tid, model.logprob(at, tid)) for tid in listed or ()]
+            def listed_at(at: int, step: BiasedStep | None) -> TopLogprobs:
+                if step is not None and bias is not None:
+                    return [
+                        (tid, step.logprob(model.logprob(at, tid) + bias.get(tid, 0.0)))
+                        for tid in listed or ()
+                    ]
+                return [(tid, model.logprob(at, tid)) for tid in listed or ()]
 
-        stops = set(env.sampling.stop_token_ids)
-        eos = self.config.eos_token_id
-        ignore_eos = env.sampling.ignore_eos
-        banned = stops if ignore_eos else stops | {eos}
-        min_tokens = env.sampling.min_tokens
-        # The output in the making: `first`, then one per chunk. At speed-up 0 the
-        # mock produces MOCK_CHUNK_TOKENS tokens per scheduling point and yields them
-        # as one output (a loop round trip per token would dominate its cost); the
-        # first token goes alone, as after a prefill. Otherwise one token per step.
-        chunk = MOCK_CHUNK_TOKENS if self.config.speedup == 0 else 1
-        out = first
-        for n in range(budget):
-            if n and (n - 1) % chunk == 0:
-                if out.tokens:
+            stops = set(env.sampling.stop_token_ids)
+            eos = self.config.eos_token_id
+            ignore_eos = env.sampling.ignore_eos
+            banned = stops if ignore_eos else stops | {eos}
+            min_tokens = env.sampling.min_tokens
+            # The output in the making: `first`, then one per chunk. At speed-up 0 the
+            # mock produces MOCK_CHUNK_TOKENS tokens per scheduling point and yields them
+            # as one output (a loop round trip per token would dominate its cost); the
+            # first token goes alone, as after a prefill. Otherwise one token per step.
+            chunk = MOCK_CHUNK_TOKENS if self.config.speedup == 0 else 1
+            out = first
+            for n in range(budget):
+                if n and (n - 1) % chunk == 0:
+                    if out.tokens:
+                        if blocks is not None:
+                            blocks.extend(out.tokens)
+                        yield out
+                        out = EngineOutput(tokens=[])
+                    # What slows a step: the share of the cache in use (Dynamo's
+                    # mocker, lib/mocker scheduler `simulate_decode`: its active blocks
+                    # over its capacity).
+                    held = self.kv_usage()
+                    await self._sleep_ms(decode_step_ms(held.used_blocks / held.total_blocks))
+                if run.aborted.is_set():
+                    # SGLang's finish for a request /abort_request stopped while running.
+                    out.finish = {"reason": "abort", "message": "Aborted"}
+                    out.usage = usage(prompt_len, n, cached)
                     if blocks is not None:
                         blocks.extend(out.tokens)
                     yield out
-                    out = EngineOutput(tokens=[])
-                # What slows a step: the share of the cache in use (Dynamo's
-                # mocker, lib/mocker scheduler `simulate_decode`: its active blocks
-                # over its capacity).
-                held = self.kv_usage()
-                await self._sleep_ms(decode_step_ms(held.used_blocks / held.total_blocks))
-            if run.aborted.is_set():
-                # SGLang's finish for a request /abort_request stopped while running.
-                out.finish = {"reason": "abort", "message": "Aborted"}
-                out.usage = usage(prompt_len, n, cached)
-                if blocks is not None:
-                    blocks.extend(out.tokens)
-                yield out
-                return
-            step: BiasedStep | None = None
-            if bias is None and not want_lp and n >= min_tokens:
-                # Only the token is wanted: the greedy one, as `top` would rank it
-                # first, without its logprob and list (a third of the cost per token).
-                token = model.greedy_token(state)
-            else:
-                if bias is None:
-                    candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                    return
+                step: BiasedStep | None = None
+                if bias is None and not want_lp and n >= min_tokens:
+                    # Only the token is wanted: the greedy one, as `top` would rank it
+                    # first, without its logprob and list (a third of the cost per token).
+                    token = model.greedy_token(state)
                 else:
-                    step = model.biased(state, bias)
-                    # Best biased logit first; each carries its raw logprob (vLLM's).
-                    candidates = [(t, lp) for t, lp, _ in step.ranked]
-                token, logprob = candidates[0]
-                if n < min_tokens and token in banned:
-                    # Masked as a real engine masks stop logits: the best allowed one.
-                    token, logprob = next(
-                        ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
-                    )
-            shown = step if biased_logprobs else None
-            if not out.tokens:
-                # The chunk's first token: its per-token lists start here.
-                lps: list[float] = []
-                ranks: list[int] = []
-                tops: list[TopLogprobs] = []
-                listed_rows: list[TopLogprobs] = []
-                expert_rows: list[list[int]] = out.routed_experts or []
+                    if bias is None:
+                        candidates = model.top(state, MAX_TOP_LOGPROBS if n < min_tokens else 1)
+                    else:
+                        step = model.biased(state, bias)
+                        # Best biased logit first; each carries its raw logprob (vLLM's).
+                        candidates = [(t, lp) for t, lp, _ in step.ranked]
+                    token, logprob = candidates[0]
+                    if n < min_tokens and token in banned:
+                        # Masked as a real engine masks stop logits: the best allowed one.
+                        token, logprob = next(
+                            ((t, lp) for t, lp in candidates if t not in banned), candidates[0]
+                        )
+                shown = step if biased_logprobs else None
+                if not out.tokens:
+                    # The chunk's first token: its per-token lists start here.
+                    lps: list[float] = []
+                    ranks: list[int] = []
+                    tops: list[TopLogprobs] = []
+                    listed_rows: list[TopLogprobs] = []
+                    expert_rows: list[list[int]] = out.routed_experts or []
+                    if want_lp:
+                        out.logprobs, out.ranks = lps, ranks
+                    if k:
+                        out.top_logprobs = tops
+                    if listed:
+                        out.token_ids_logprobs = listed_rows
+                    if experts_from is not None:
+                        out.routed_experts = expert_rows
+                out.tokens.append(token)
                 if want_lp:
-                    out.logprobs, out.ranks = lps, ranks
+                    if shown is not None and bias is not None:
+                        logprob = shown.logprob(logprob + bias.get(token, 0.0))
+                    lps.append(logprob)
+                    ranks.append(model.score(state, token)[1])
                 if k:
-                    out.top_logprobs = tops
+                    tops.append(shown.top(k) if shown else model.top(state, k))
                 if listed:
-                    out.token_ids_logprobs = listed_rows
-                if experts_from is not None:
-                    out.routed_experts = expert_rows
-            out.tokens.append(token)
-            if want_lp:
-                if shown is not None and bias is not None:
-                    logprob = shown.logprob(logprob + bias.get(token, 0.0))
-                lps.append(logprob)
-                ranks.append(model.score(state, token)[1])
-            if k:
-                tops.append(shown.top(k) if shown else model.top(state, k))
-            if listed:
-                listed_rows.append(listed_at(state, shown))
-            if experts_from is not None and n:
-                # The previous token's forward pass; the last token never gets one.
-                expert_rows.append(self.experts.row(state))
-            state = advance(state, token)
-            run.grow()
-            finish: Finish | None = None
-            if n >= min_tokens and token == eos and not ignore_eos:
-                finish = {"reason": "eos", "matched": token}
-            elif n >= min_tokens and token in stops:
-                finish = {"reason": "stop", "matched": token}
-            elif n + 1 == budget:
-                finish = {"reason": "length"}
-            if finish is not None:
-                out.finish = finish
-                out.usage = usage(prompt_len, n + 1, cached)
-                if blocks is not None:
-                    blocks.extend(out.tokens)
-                yield out
-                return
+                    listed_rows.append(listed_at(state, shown))
+                if experts_from is not None and n:
+                    # The previous token's forward pass; the last token never gets one.
+                    expert_rows.append(self.experts.row(state))
+                state = advance(state, token)
+                self._active_kv_tokens += 1
+                made += 1
+                finish: Finish | None = None
+                if n >= min_tokens and token == eos and not ignore_eos:
+                    finish = {"reason": "eos", "matched": token}
+                elif n >= min_tokens and token in stops:
+                    finish = {"reason": "stop", "matched": token}
+                elif n + 1 == budget:
+                    finish = {"reason": "length"}
+                if finish is not None:
+                    out.finish = finish
+                    out.usage = usage(prompt_len, n + 1, cached)
+                    if blocks is not None:
+                        blocks.extend(out.tokens)
+                    yield out
+                    return
+        finally:
+            self._active_kv_tokens -= made
+            run.end()
 
     # -- prefill/decode disaggregation (docs/disaggregation.md, "The mock's P/D") -------
 
@@ -708,11 +708,9 @@ class MockEngine:
         budget = self._check(env)
         read_logit_bias(env.format, env.engine, self.config.vocab_size)
         link = self._link() if budget else None
-        first, state = self._prompt_pass(env)
         run = _Run(self, env, budget)
         try:
-            await self._prefill(run)
-            first.cached_tokens = run.cached
+            first, state = await self._prefill(env, run)
             if link is not None:
                 if run.aborted.is_set():
                     # An aborted prefill has no KV to hand over: its decode must not start.
@@ -734,31 +732,29 @@ class MockEngine:
         finally:
             run.end()
 
-    async def decode(
+    def decode(
         self, env: Envelope, ticket: dict[str, Any], handoff: dict[str, Any] | None
     ) -> AsyncGenerator[EngineOutput, None]:
         """What `generate` gives after the prompt, from the state the prefill's KV handle
         holds, pulled from its worker (`MeshError` unavailable when that fails)."""
-        budget = self._check(env)
-        bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
+        return self._generation(env, functools.partial(self._pulled, handoff))
+
+    async def _pulled(
+        self, handoff: dict[str, Any] | None, env: Envelope, run: _Run
+    ) -> tuple[EngineOutput, int]:
+        """A decode's `begin`: the prompt's KV pulled from the prefill's worker, after the
+        time its bytes take over the link (Dynamo's mocker times a P/D handoff so too:
+        lib/mocker/src/common/handoff.rs, `HandoffTransferTiming`, bytes per token x
+        tokens / bandwidth)."""
         link = self._link()
         worker, handle = _handle_of(handoff)
-        run = _Run(self, env, budget)
-        try:
-            payload = await self._pull(link, worker, handle, env)
-            if self.config.transfer_gbps > 0:
-                await self._sleep_ms(payload.bytes / self.config.transfer_gbps / 1e6)
-            if run.blocks is not None:
-                # The transferred blocks are computed here now, and cached as a prefill's.
-                run.blocks.prefilled()
-            first = EngineOutput(tokens=[], cached_tokens=payload.cached_tokens)
-            async with contextlib.aclosing(
-                self._outputs(env, run, first, payload.state, budget, bias)
-            ) as outputs:
-                async for out in outputs:
-                    yield out
-        finally:
-            run.end()
+        payload = await self._pull(link, worker, handle, env)
+        if self.config.transfer_gbps > 0:
+            await self._sleep_ms(payload.bytes / self.config.transfer_gbps / 1e6)
+        if run.blocks is not None:
+            # The transferred blocks are computed here now, and cached as a prefill's.
+            run.blocks.prefilled()
+        return EngineOutput(tokens=[], cached_tokens=payload.cached_tokens), payload.state
 
     def _link(self) -> _PdLink:
         if self._pd is None:
@@ -790,7 +786,7 @@ def _ends_after_prompt(first: EngineOutput, prompt_tokens: int) -> EngineOutput:
 
 class _Run:
     """One request's hold on the engine, from its admission to its `end`: the flag that
-    aborts it, its tokens in the KV accounting (`kv_usage` without a cache), and its blocks
+    aborts it, its prompt in the KV accounting (`kv_usage` without a cache), and its blocks
     in the prefix cache. A prefill hands its KV over to a handle (`hand_over`) that
     outlives it."""
 
@@ -810,11 +806,6 @@ class _Run:
         self.aborted = engine._running.setdefault(env.id, asyncio.Event())
         self._kv = self.prompt_tokens
         engine._active_kv_tokens += self._kv
-
-    def grow(self) -> None:
-        """One more token in the sequence."""
-        self._kv += 1
-        self._engine._active_kv_tokens += 1
 
     def hand_over(self) -> Callable[[], None]:
         """Keep the request's KV past its end; the call returned frees it."""
