@@ -315,6 +315,7 @@ MATRIX: list[Rule] = [
     Rule("client", "pub", "_INBOX_frontend.x.0", False, "cannot inject frames into a stream"),
     Rule("client", "pub", "$JS.API.INFO", False, "no JetStream"),
     Rule("client", "pub", W + ".kv_snapshot", False, "a worker's cache is the mesh's business"),
+    Rule("client", "pub", W + ".kv_pull", False, "nor a prefill's KV"),
     Rule(
         "client", "sub", "genmesh.{ns}.kv.*", False, "nor its KV events (they hold prompts)",
         sample="genmesh.{ns}.kv.w1",
@@ -440,6 +441,8 @@ MATRIX: list[Rule] = [
     Rule("worker", "sub", "genmesh.{ns}.discovery.query", True, "announce on a query"),
     Rule("worker", "sub", W + ".kv_snapshot", True, "snapshot requests"),
     Rule("worker", "pub", "genmesh.{ns}.kv.w1", True, "its engine's KV events"),
+    Rule("worker", "sub", W + ".kv_pull", True, "pulls of its mock prefills' KV (P/D)"),
+    Rule("worker", "pub", "genmesh.{ns}.worker.w2.kv_pull", True, "a mock decode pulls its prefill's KV"),
     Rule(
         "worker", "sub", "genmesh.{ns}.router.generate", False, "cannot take requests "
         "before routing", queue="router",

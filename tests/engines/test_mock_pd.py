@@ -14,6 +14,7 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 
 from genmesh.codecs import get_codec
 from genmesh.engines.base import EngineOutput, usage
@@ -25,6 +26,7 @@ from genmesh.shared.kv_events import BlockStored
 from genmesh.shared.settings import parse
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
+from tests.inproc import InProcessMesh
 
 pytestmark = pytest.mark.inproc
 
@@ -340,7 +342,10 @@ async def test_an_unknown_handle_is_refused(pair: Pair) -> None:
     assert error.retryable
 
 
-@pytest.mark.parametrize("handoff", [None, {}, {"worker": PREFILL}, {"handle": "h"}])
+@pytest.mark.parametrize(
+    "handoff",
+    [None, {}, {"worker": PREFILL}, {"handle": "h"}, {"worker": "*", "handle": "h"}],
+)
 async def test_a_handoff_without_a_handle_is_refused(
     pair: Pair, handoff: dict[str, Any] | None
 ) -> None:
@@ -488,3 +493,34 @@ async def test_decode_and_prefill_need_a_mesh() -> None:
         assert info.value.code is ErrorCode.INTERNAL
     # A budget of 0 needs no handle, so no mesh.
     assert (await collect(engine.prefill(stage_of(envelope([1], max_tokens=0)), {})))[0].finish
+
+
+# ---------------------------------------------------------------- on a worker
+
+
+async def test_prefill_and_decode_workers_attach_their_mocks(
+    empty_mesh: InProcessMesh, nats_url: str
+) -> None:
+    """The worker's own start attaches the mock (`pd_attach`) under the worker's id and
+    announces its P/D facts; the kv_pull subject lives as long as the worker."""
+    empty_mesh.add_frontend()
+    prefill = empty_mesh.add_worker(
+        "wpre", extra_args=("--role", "prefill", "--mock-pd-handle-ttl", "7")
+    )
+    empty_mesh.add_worker("wdec", extra_args=("--role", "decode"))
+    workers = {w["id"]: w for w in empty_mesh.server_info()["genmesh"]["workers"]}
+    for wid in ("wpre", "wdec"):
+        assert workers[wid]["disagg"] == {"kind": "mock", "local_prefill": True, "handles": 0}
+    codec = get_codec(None)
+    subject = Subjects(empty_mesh.namespace).worker_kv_pull("wpre")
+    nc = await nats.connect(nats_url)
+    try:
+        reply = await nc.request(subject, codec.encode({"handle": "h"}), timeout=5)
+        assert codec.decode(reply.data) == {
+            "error": "unknown KV handle 'h' (never made here, already pulled, or expired after 7s)"
+        }
+        empty_mesh.stop_service(prefill)
+        with pytest.raises(NoRespondersError):
+            await nc.request(subject, codec.encode({"handle": "h"}), timeout=5)
+    finally:
+        await nc.close()

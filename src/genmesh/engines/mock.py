@@ -34,6 +34,7 @@ from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampli
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
+from genmesh.shared.ids import is_subject_token
 from genmesh.shared.kv_events import KvEventBatch, request_extra_keys
 from genmesh.shared.multimodal import FeaturesError, envelope_items
 from genmesh.shared.settings import non_negative_float, option, positive_float, positive_int
@@ -354,8 +355,9 @@ class MockEngine:
 
     async def flush_cache(self) -> None:
         """Empty the prefix cache; refused while requests run, as SGLang refuses (a
-        prefill's KV held for its decode counts: SGLang's prefill server keeps such a
-        request in its inflight queue until the transfer is done)."""
+        prefill's KV held for its decode counts: SGLang's `Scheduler.is_fully_idle`,
+        which its flush requires, counts the disaggregation queues too,
+        python/sglang/srt/managers/scheduler.py)."""
         pending = len(self._running) + len(self._handles)
         if pending:
             raise MeshError(
@@ -878,7 +880,8 @@ def _handle_of(handoff: dict[str, Any] | None) -> tuple[str, str]:
     """The prefill worker and handle a handoff names."""
     worker = handoff.get("worker") if handoff else None
     handle = handoff.get("handle") if handoff else None
-    if not isinstance(worker, str) or not isinstance(handle, str):
+    # (A worker id is one subject token: never a wildcard to publish the pull to.)
+    if not (isinstance(worker, str) and is_subject_token(worker) and isinstance(handle, str)):
         raise MeshError(
             ErrorCode.UNAVAILABLE, f"KV transfer failed: no KV handle in the handoff {handoff!r}"
         )
