@@ -374,6 +374,29 @@ async def test_a_prefill_worker_that_does_not_answer_times_out(
     assert [get_codec(None).decode(data) for data in asked] == [{"handle": "h1"}]
 
 
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (b"\xc1", "an unreadable answer: not valid msgpack: "),
+        (b"\x93\x01\x02\x03", "an unreadable answer: [1, 2, 3]"),
+        (b"\x81\xa1x\x01", "an unreadable answer: {'x': 1}"),
+    ],
+)
+async def test_an_answer_that_is_no_handle_is_refused(
+    pair: Pair, connect: Callable[[], Any], answer: bytes, why: str
+) -> None:
+    impostor = await connect()
+
+    async def answer_badly(msg: Any) -> None:
+        await msg.respond(answer)
+
+    await impostor.subscribe(pair.subjects.worker_kv_pull("odd"), cb=answer_badly)
+    await impostor.flush()
+    error = await refusal(pair, envelope([1, 2], max_tokens=2), {"worker": "odd", "handle": "h"})
+    assert error.message.startswith(f"KV transfer failed: {why}")
+    assert error.message.endswith("(prefill worker odd)")
+
+
 async def test_the_kv_pull_subject_answers_a_bad_request_with_an_error(pair: Pair) -> None:
     codec = get_codec(None)
     subject = pair.subjects.worker_kv_pull(PREFILL)

@@ -856,18 +856,18 @@ class _Payload:
 
     @classmethod
     def read(cls, answer: dict[str, Any]) -> _Payload:
-        try:
-            payload = cls(
-                answer["prompt"], answer["state"], answer["cached_tokens"], answer["bytes"]
-            )
-        except KeyError as exc:
-            raise TransferFailed(f"a KV handle without {exc}") from None
-        if not isinstance(payload.prompt, str) or not all(
-            isinstance(v, int) and v >= 0
-            for v in (payload.state, payload.cached_tokens, payload.bytes)
+        prompt, state, cached, size = (
+            answer.get(name) for name in ("prompt", "state", "cached_tokens", "bytes")
+        )
+        if (
+            isinstance(prompt, str)
+            and isinstance(state, int)
+            and isinstance(cached, int)
+            and isinstance(size, int)
+            and min(state, cached, size) >= 0
         ):
-            raise TransferFailed(f"an unreadable KV handle: {answer!r}")
-        return payload
+            return cls(prompt, state, cached, size)
+        raise TransferFailed(f"an unreadable answer: {answer!r}")
 
 
 def _prompt_digest(env: Envelope) -> str:
