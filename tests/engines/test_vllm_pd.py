@@ -40,6 +40,7 @@ from tests.engines.test_vllm_engine import (
     vllm_envelope,
     wait_for,
 )
+from tests.inproc import InProcessMesh
 
 pytestmark = pytest.mark.inproc
 
@@ -151,6 +152,20 @@ async def test_the_adapter_is_a_sequential_pd_engine(pair: Pair) -> None:
     env = envelope(PROMPT, max_tokens=5, logprobs=True)
     alone = await collect(pair.decode, env)
     assert tokens_of(alone) == tokens_of(await collect(pair.agg, env))
+
+
+def test_workers_in_front_of_a_pair_announce_their_roles(empty_mesh: InProcessMesh) -> None:
+    """A vLLM worker can take either role, and its card says how a decode worker pairs."""
+    _, prefill_url = empty_mesh.spawn_engine_server("vllm", "--disaggregation-mode", "prefill")
+    _, decode_url = empty_mesh.spawn_engine_server("vllm", "--disaggregation-mode", "decode")
+    empty_mesh.add_frontend()
+    for role, url in (("prefill", prefill_url), ("decode", decode_url)):
+        empty_mesh.add_worker(f"w-{role}", engine="vllm", engine_url=url,
+                              extra_args=("--role", role))  # fmt: skip
+    cards = {c["id"]: c for c in empty_mesh.server_info()["genmesh"]["workers"]}
+    for role in ("prefill", "decode"):
+        assert cards[f"w-{role}"]["role"] == role
+        assert cards[f"w-{role}"]["disagg"] == {"kind": "vllm", "local_prefill": True}
 
 
 # ------------------------------------------------------------------------- the answer
