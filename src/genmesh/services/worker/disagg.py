@@ -27,7 +27,10 @@ from genmesh.shared import frames
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.metrics import HistogramChild
 from genmesh.shared.subjects import Subjects
+
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class PdDecoder:
@@ -40,8 +43,9 @@ class PdDecoder:
         # a stage at once rather than at its next ping.
         self.directory = WorkerDirectory(nc, subjects)
         self.client = MeshClient(nc, subjects.namespace, directory=self.directory)
-        # For metrics (services/worker/metrics.py).
-        self.transfer_seconds: list[float] = []
+        # For metrics (services/worker/metrics.py): from the stage's result to decode's
+        # first output (the KV transfer, for engines that pull it after the prefill).
+        self.transfer_seconds = HistogramChild(TRANSFER_BUCKETS_S)
         self.experts_omitted = 0
 
     async def start(self) -> None:
@@ -82,7 +86,7 @@ class PdDecoder:
             async with contextlib.aclosing(decode) as outputs:
                 out = await _first_output(prefill, outputs)
                 result, ended = prefill.result()
-                self.transfer_seconds.append(max(time.monotonic() - ended, 0.0))
+                self.transfer_seconds.observe(max(time.monotonic() - ended, 0.0))
                 join = PdJoin(envelope, result)
                 yield self._joined(join, out)
                 async for out in outputs:

@@ -121,6 +121,8 @@ class Worker(Service):
         # the endpoint's `rejections`.
         self.aborts = 0
         self.engine_errors: Counter[str] = Counter()
+        # A prefill worker's prefill stages, by outcome (they count in `stats` too).
+        self.stage_stats: Counter[str] = Counter()
         self.admin = AdminHandlers(self)
         # Relays the engine's KV cache events, if it publishes any (from start()).
         self.kv_relay: KvRelay | None = None
@@ -402,7 +404,12 @@ class Worker(Service):
         active = _Active(envelope, request.reply, request.codec, dispatch=new_request_id())
         active.prefill_worker = prefill_worker
         active.span = worker_tracing.worker_span(
-            self.subject, envelope, self.worker_id, self.engine.name, active.dispatch
+            self.subject,
+            envelope,
+            self.worker_id,
+            self.engine.name,
+            active.dispatch,
+            prefill_worker,
         )
         self._active[rid] = active
         self.stats["admitted"] += 1
@@ -477,6 +484,8 @@ class Worker(Service):
             self._active.pop(rid, None)
             self._load_changed.set()
             self.stats[_outcome(last)] += 1
+            if active.envelope.disagg is not None:
+                self.stage_stats[_outcome(last)] += 1
             if active.span is not None:
                 active.span.end(last)
 
