@@ -17,13 +17,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import nats
 import pytest
 
+from genmesh.codecs import get_codec
 from genmesh.engines.base import EngineOutput, disaggregating
 from genmesh.engines.http import HttpEngineConfig
 from genmesh.engines.vllm import ENGINE_ID_PREFIX, KV_TRANSFER_FAILED, VllmEngine
+from genmesh.shared import frames
+from genmesh.shared.bus import PREFILL_HEADER
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.subjects import Subjects
 from genmesh.testkit.common import serving
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.vllm import build_app
@@ -154,18 +159,96 @@ async def test_the_adapter_is_a_sequential_pd_engine(pair: Pair) -> None:
     assert tokens_of(alone) == tokens_of(await collect(pair.agg, env))
 
 
+def pd_workers(mesh: InProcessMesh) -> dict[str, str]:
+    """A prefill and a decode worker in front of a testkit pair; each role's server URL."""
+    urls = {}
+    for role in ("prefill", "decode"):
+        _, urls[role] = mesh.spawn_engine_server(
+            "vllm", "--disaggregation-mode", role, "--vocab-size", str(VOCAB),
+            "--eos-token-id", str(EOS),
+        )  # fmt: skip
+    mesh.add_frontend()
+    for role, url in urls.items():
+        mesh.add_worker(f"w-{role}", engine="vllm", engine_url=url, extra_args=("--role", role))
+    return urls
+
+
+async def frames_from(
+    mesh: InProcessMesh, worker: str, env: Envelope, headers: dict[str, str] | None
+) -> list[dict[str, Any]]:
+    """`env` sent straight to `worker` over NATS (protocol.md §5), with `headers`; its
+    frames up to the terminal one."""
+    codec = get_codec("msgpack")
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(
+            Subjects(mesh.namespace).worker_generate(worker),
+            codec.encode(env.to_wire()),
+            reply=inbox,
+            headers=headers,
+        )
+        got: list[dict[str, Any]] = []
+        while not got or got[-1]["t"] not in frames.TERMINAL:
+            msg = await sub.next_msg(timeout=10)
+            if msg.data:
+                got.append(codec.decode(msg.data))
+        return got
+    finally:
+        await nc.close()
+
+
+def folded(got: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a request's frames add up to, however the outputs were cut."""
+    answer: dict[str, Any] = {}
+    for frame in got[1:]:  # after the ack
+        for key, value in frame.items():
+            if key in ("tokens", "logprobs", "ranks", "top_logprobs"):
+                answer[key] = answer.get(key, []) + value
+            elif key not in ("t", "id", "seq"):
+                assert key not in answer, f"{key} twice"
+                answer[key] = value
+    return answer
+
+
 def test_workers_in_front_of_a_pair_announce_their_roles(empty_mesh: InProcessMesh) -> None:
     """A vLLM worker can take either role, and its card says how a decode worker pairs."""
-    _, prefill_url = empty_mesh.spawn_engine_server("vllm", "--disaggregation-mode", "prefill")
-    _, decode_url = empty_mesh.spawn_engine_server("vllm", "--disaggregation-mode", "decode")
-    empty_mesh.add_frontend()
-    for role, url in (("prefill", prefill_url), ("decode", decode_url)):
-        empty_mesh.add_worker(f"w-{role}", engine="vllm", engine_url=url,
-                              extra_args=("--role", role))  # fmt: skip
+    pd_workers(empty_mesh)
     cards = {c["id"]: c for c in empty_mesh.server_info()["genmesh"]["workers"]}
     for role in ("prefill", "decode"):
         assert cards[f"w-{role}"]["role"] == role
         assert cards[f"w-{role}"]["disagg"] == {"kind": "vllm", "local_prefill": True}
+
+
+async def test_a_decode_worker_paired_by_header_answers_as_it_does_alone(
+    empty_mesh: InProcessMesh,
+) -> None:
+    """The decode worker drives the pair (services/worker/disagg.py) over these halves:
+    its frames equal those of the same request it runs alone (local_prefill), and each
+    server saw its stage."""
+    urls = await asyncio.to_thread(pd_workers, empty_mesh)
+
+    def env(rid: str) -> Envelope:
+        e = envelope(PROMPT, max_tokens=6, logprobs=True, top_logprobs=2, prompt_logprobs_start=1)
+        e.id = rid
+        return e
+
+    alone = await frames_from(empty_mesh, "w-decode", env("a" * 32), None)
+    paired = await frames_from(empty_mesh, "w-decode", env("b" * 32), {PREFILL_HEADER: "w-prefill"})
+    assert paired[0]["t"] == "ack"
+    assert folded(paired) == folded(alone)
+    assert paired[-1]["t"] == "end"
+    assert "prompt_logprobs" in paired[1]
+    async with aiohttp.ClientSession() as s:
+        logs = {}
+        for role, url in urls.items():
+            async with s.get(f"{url}/testkit/vllm/requests") as r:
+                logs[role] = [sent["body"] for sent in (await r.json())["requests"]]
+    (stage,) = logs["prefill"]
+    assert stage["kv_transfer_params"] == PREFILL_PARAMS
+    assert "kv_transfer_params" not in logs["decode"][0]  # alone: no params
+    assert logs["decode"][1]["kv_transfer_params"]["remote_block_ids"] == [[0, 1]]
 
 
 # ------------------------------------------------------------------------- the answer
