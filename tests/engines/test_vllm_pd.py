@@ -5,7 +5,8 @@ aggregated one. The decode server takes its prefill's KV over HTTP (`genmesh.tes
 so a decode that answered at all has really paired; after every test both servers hold no
 KV handle and run nothing.
 
-Until the decode worker drives the halves, each test calls `prefill` and then `decode`.
+Most tests call `prefill` and then `decode` as the decode worker does; the last two of the
+contract's tests run them under real workers (the decode worker's `PdDecoder`).
 """
 
 from __future__ import annotations
