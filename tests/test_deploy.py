@@ -315,7 +315,6 @@ MATRIX: list[Rule] = [
     Rule("client", "pub", "_INBOX_frontend.x.0", False, "cannot inject frames into a stream"),
     Rule("client", "pub", "$JS.API.INFO", False, "no JetStream"),
     Rule("client", "pub", W + ".kv_snapshot", False, "a worker's cache is the mesh's business"),
-    Rule("client", "pub", W + ".kv_pull", False, "nor a prefill's KV"),
     Rule(
         "client", "sub", "genmesh.{ns}.kv.*", False, "nor its KV events (they hold prompts)",
         sample="genmesh.{ns}.kv.w1",
@@ -441,8 +440,6 @@ MATRIX: list[Rule] = [
     Rule("worker", "sub", "genmesh.{ns}.discovery.query", True, "announce on a query"),
     Rule("worker", "sub", W + ".kv_snapshot", True, "snapshot requests"),
     Rule("worker", "pub", "genmesh.{ns}.kv.w1", True, "its engine's KV events"),
-    Rule("worker", "sub", W + ".kv_pull", True, "pulls of its mock prefills' KV (P/D)"),
-    Rule("worker", "pub", "genmesh.{ns}.worker.w2.kv_pull", True, "a mock decode pulls its prefill's KV"),
     Rule(
         "worker", "sub", "genmesh.{ns}.router.generate", False, "cannot take requests "
         "before routing", queue="router",
@@ -463,6 +460,37 @@ MATRIX: list[Rule] = [
     Rule("worker", "pub", "genmesh.{ns}.abort", False, "cannot abort others' requests"),
     Rule(
         "worker", "pub", "_INBOX_frontend.f1.0", False,
+        "replies only to requests it received (allow_responses)",
+    ),
+    Rule("worker", "sub", W + ".kv_pull", True, "KV pulls of its handles (the mock's P/D)"),
+    Rule("worker", "pub", W + ".kv_pull", False, "only a decode worker pulls KV"),
+    Rule(
+        "worker", "sub", "_INBOX_decode.>", False, "a decode worker's inbox",
+        sample="_INBOX_decode.d.0",
+    ),
+    # decode: a decode worker (--role decode), which has prefill stages run elsewhere
+    Rule("decode", "sub", W + ".generate", True, "its requests"),
+    Rule("decode", "pub", "genmesh.{ns}.worker.w2.generate", True, "prefill stages"),
+    Rule("decode", "pub", W + ".ping", True, "is its prefill worker alive?"),
+    Rule("decode", "pub", "genmesh.{ns}.cancel", True, "stop a stage it no longer needs"),
+    Rule("decode", "pub", W + ".kv_pull", True, "the mock's KV transfer"),
+    Rule(
+        "decode", "sub", "genmesh.{ns}.discovery.>", True, "the prefill workers' cards",
+        sample="genmesh.{ns}.discovery.announce",
+    ),
+    Rule(
+        "decode", "sub", "_INBOX_decode.>", True, "its stages' frames",
+        sample="_INBOX_decode.d.0",
+    ),
+    Rule("decode", "pub", "genmesh.{ns}.router.generate", False, "not a client of the routers"),
+    Rule("decode", "pub", "genmesh.{ns}.abort", False, "cannot abort others' requests"),
+    Rule("decode", "pub", "genmesh.{ns}.discovery.router", False, "cannot pose as a router"),
+    Rule(
+        "decode", "sub", "_INBOX_frontend.>", False, "a requester's inbox",
+        sample="_INBOX_frontend.f1.0",
+    ),
+    Rule(
+        "decode", "pub", "_INBOX_frontend.f1.0", False,
         "replies only to requests it received (allow_responses)",
     ),
     # admin: operators' tools
