@@ -20,12 +20,14 @@ from genmesh.codecs import get_codec
 from genmesh.engines.base import EngineOutput, usage
 from genmesh.engines.kv_transfer import BAD_PULL
 from genmesh.engines.mock import MockConfig, MockEngine
+from genmesh.shared.bus import PREFILL_HEADER
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.kv_events import BlockStored
 from genmesh.shared.settings import parse
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
+from tests.engines.test_vllm_pd import folded, frames_from
 from tests.inproc import InProcessMesh
 
 pytestmark = pytest.mark.inproc
@@ -109,10 +111,11 @@ async def refusal(pair: Pair, env: Envelope, handoff: dict[str, Any] | None) -> 
     return info.value
 
 
-def envelope(prompt: list[int], **sampling: Any) -> Envelope:
+def envelope(prompt: list[int], **fields: Any) -> Envelope:
+    """An envelope with these `sampling` and `output` fields."""
     env = Envelope(id="r1", token_ids=prompt)
-    for name, value in sampling.items():
-        setattr(env.sampling, name, value)
+    for name, value in fields.items():
+        setattr(env.output if hasattr(env.output, name) else env.sampling, name, value)
     return env
 
 
@@ -547,3 +550,37 @@ async def test_prefill_and_decode_workers_attach_their_mocks(
             await nc.request(subject, codec.encode({"handle": "h"}), timeout=5)
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_tokens": 0, "prompt_logprobs_start": 2},
+        {"max_tokens": 1, "routed_experts_start": 0},
+        {"max_tokens": 40, "logprobs": True, "top_logprobs": 2, "routed_experts_start": 3},
+        {"max_tokens": 9, "min_tokens": 9, "seed": 7, "prompt_logprobs_start": 0},
+    ],
+    ids=["budget0", "budget1_experts", "chunks_logprobs_experts", "seeded_prompt_logprobs"],
+)
+async def test_a_decode_worker_paired_by_header_answers_as_it_does_alone(
+    empty_mesh: InProcessMesh, options: dict[str, Any]
+) -> None:
+    """The decode worker's orchestrator (services/worker/disagg.py) over two mock workers:
+    the paired answer's frames add up to the aggregated one's, expert rows joined."""
+    prefill = empty_mesh.add_worker("m-prefill", wait=False, extra_args=("--role", "prefill"))
+    empty_mesh.add_worker("m-decode", wait=False, extra_args=("--role", "decode"))
+    empty_mesh.add_frontend()
+    empty_mesh.wait_for_workers(lambda known: {"m-prefill", "m-decode"} <= known)
+
+    def env(rid: str) -> Envelope:
+        e = envelope(list(range(10, 30)), **options)
+        e.id = rid
+        return e
+
+    alone = await frames_from(empty_mesh, "m-decode", env("a" * 32), None)
+    paired = await frames_from(empty_mesh, "m-decode", env("b" * 32), {PREFILL_HEADER: "m-prefill"})
+    assert paired[-1]["t"] == "end", paired[-1]
+    assert folded(paired) == folded(alone)
+    # The prefill ran there (and nowhere for the request alone), and left no handle.
+    assert sum(prefill.value.stage_stats.values()) == 1
+    assert prefill.value.engine.pd_card()["handles"] == 0
