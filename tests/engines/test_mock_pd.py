@@ -258,6 +258,19 @@ async def test_an_unpulled_handle_expires_and_frees_its_kv(make_pair: Any) -> No
     )
 
 
+async def test_a_ttl_of_zero_forgets_every_handle_at_once(make_pair: Any) -> None:
+    pair: Pair = await make_pair(dataclasses.replace(SMALL, pd_handle_ttl_s=0.0))
+    env = envelope([1, 2, 3], max_tokens=2)
+    [last] = await collect(pair.prefill.prefill(stage_of(env), {}))
+    assert last.handoff is not None
+    error = await refusal(pair, env, last.handoff)
+    assert error.message == (
+        f"KV transfer failed: unknown KV handle {last.handoff['handle']!r} (never made here, "
+        f"already pulled, or expired after 0s) (prefill worker {PREFILL})"
+    )
+    assert pair.prefill.kv_usage().used_blocks == 0
+
+
 async def test_a_budget_of_zero_keeps_no_handle(pair: Pair) -> None:
     env = envelope([1, 2, 3], max_tokens=0)
     [only] = await collect(pair.prefill.prefill(stage_of(env), {}))
@@ -505,9 +518,10 @@ def test_the_options_and_their_refusals() -> None:
     defaults = MockConfig()
     assert (defaults.kv_bytes_per_token, defaults.pd_handle_ttl_s) == (131_072, 30.0)
     assert defaults.pd_transfer_timeout_s == 10.0
-    for flag in ("--mock-pd-handle-ttl", "--mock-pd-transfer-timeout"):
+    for flag, value in (("--mock-pd-handle-ttl", "-1"), ("--mock-pd-transfer-timeout", "0")):
         with pytest.raises(SystemExit):
-            parse(MockConfig, [flag, "0"])
+            parse(MockConfig, [flag, value])
+    assert parse(MockConfig, ["--mock-pd-handle-ttl", "0"]).pd_handle_ttl_s == 0
 
 
 async def test_decode_and_prefill_need_a_mesh() -> None:

@@ -274,8 +274,9 @@ class MockConfig:
     pd_handle_ttl_s: float = option(
         30.0,
         flag="--mock-pd-handle-ttl",
-        parse=positive_float,
-        help="P/D: seconds a mock prefill keeps a KV handle no decode has pulled",
+        parse=non_negative_float,
+        help="P/D: seconds a mock prefill keeps a KV handle no decode has pulled "
+        "(0: forgotten at once, so every decode fails: for tests)",
     )
     pd_transfer_timeout_s: float = option(
         10.0,
@@ -310,8 +311,8 @@ class MockEngine:
             raise ValueError("speedup must be >= 0")
         if self.config.transfer_gbps < 0:
             raise ValueError("transfer_gbps must be >= 0")
-        if not (self.config.pd_handle_ttl_s > 0 and self.config.pd_transfer_timeout_s > 0):
-            raise ValueError("pd_handle_ttl_s and pd_transfer_timeout_s must be > 0")
+        if not (self.config.pd_handle_ttl_s >= 0 and self.config.pd_transfer_timeout_s > 0):
+            raise ValueError("pd_handle_ttl_s must be >= 0, pd_transfer_timeout_s > 0")
         self.model = TokenModel(self.config.vocab_size)
         self.experts = ExpertModel(
             self.config.moe_layers, self.config.moe_top_k, self.config.moe_experts
