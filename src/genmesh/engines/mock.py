@@ -746,9 +746,10 @@ class MockEngine:
         self, handoff: dict[str, Any] | None, env: Envelope, run: _Run
     ) -> tuple[EngineOutput, int]:
         """A decode's `begin`: the prompt's KV pulled from the prefill's worker, after the
-        time its bytes take over the link (Dynamo's mocker times a P/D handoff so too:
-        lib/mocker/src/common/handoff.rs, `HandoffTransferTiming`, bytes per token x
-        tokens / bandwidth)."""
+        time its bytes take over the link. Dynamo's mocker times a P/D handoff so too:
+        bytes per token x the whole prompt / bandwidth (lib/mocker/src/common/handoff.rs,
+        `HandoffTransferTiming`; 1.6.1's `--kv-bytes-per-token`, `--kv-transfer-bandwidth`
+        in GB/s and its default `--kv-transfer-timing-mode full_prompt`, dynamo/mocker/args.py)."""
         link = self._link()
         worker, handle = _handle_of(handoff)
         payload = await self._pull(link, worker, handle, env)
