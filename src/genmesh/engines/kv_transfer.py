@@ -27,7 +27,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.shared.bus import codec_headers, message_codec
+from genmesh.shared.bus import (
+    check_subscriptions,
+    codec_headers,
+    message_codec,
+    unsubscribe_quietly,
+)
 from genmesh.shared.tasks import keep_cancel
 
 BAD_PULL = 'a KV pull request is {"handle": a string}'
@@ -87,7 +92,8 @@ class KvHandles:
 
 async def serve_kv_pull(nc: Client, subject: str, handles: KvHandles) -> Subscription:
     """Answer pulls of `handles` on `subject` (the caller unsubscribes): a request
-    `{"handle": id}` gets the handle's payload, or `{"error": why}`; in its own codec."""
+    `{"handle": id}` gets the handle's payload, or `{"error": why}`; in its own codec.
+    `NatsPermissionDenied` if the server refuses the subscription."""
 
     async def on_pull(msg: Msg) -> None:
         if not msg.reply:
@@ -110,7 +116,15 @@ async def serve_kv_pull(nc: Client, subject: str, handles: KvHandles) -> Subscri
             answer = {"error": str(exc)}
         await nc.publish(msg.reply, codec.encode(answer), headers=codec_headers(codec))
 
-    return await nc.subscribe(subject, cb=on_pull)
+    sub = await nc.subscribe(subject, cb=on_pull)
+    try:
+        # Live at the server when this returns (a decode may pull at once), and refused
+        # loudly on a secured server whose user may not serve pulls.
+        await check_subscriptions(nc, sub)
+    except BaseException:
+        await unsubscribe_quietly(sub)
+        raise
+    return sub
 
 
 async def pull_kv(nc: Client, subject: str, handle: str, timeout_s: float) -> dict[str, Any]:
