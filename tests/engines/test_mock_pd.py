@@ -41,8 +41,8 @@ class Pair:
     prefill: MockEngine
     decode: MockEngine
     subjects: Subjects
-    nc: Client  # a third connection, for the tests' own requests
-    prefill_nc: Client
+    nc: Client  # for the tests' own requests
+    prefill_nc: Client  # the prefill engine's
 
 
 @pytest.fixture
@@ -67,10 +67,8 @@ async def make_pair(connect: Callable[[], Any]) -> AsyncIterator[Any]:
 
     async def make(prefill: MockConfig = SMALL, decode: MockConfig | None = None) -> Pair:
         subjects = Subjects(unique_namespace("pd"))
-        pair = Pair(
-            MockEngine(prefill), MockEngine(decode or prefill), subjects, *[await connect()] * 2
-        )
-        pair.prefill_nc = await connect()
+        own, prefill_nc = await connect(), await connect()
+        pair = Pair(MockEngine(prefill), MockEngine(decode or prefill), subjects, own, prefill_nc)
         engines.extend((pair.prefill, pair.decode))
         await pair.prefill.pd_attach(pair.prefill_nc, subjects, PREFILL)
         await pair.decode.pd_attach(await connect(), subjects, DECODE)
