@@ -40,7 +40,7 @@ async def _probe_nats(url: str, auth: NatsAuth) -> None:
     await nc.close()
 
 
-def _worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
+def worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
     """One config per worker: mocks by role (--workers, --prefill-workers,
     --decode-workers), or one worker per engine URL with the role its option says."""
     engine = config.worker.engine
@@ -138,7 +138,7 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
         _say("--routing routers needs a router: give --routers 1 or more")
         return 2
     try:
-        workers = _worker_configs(config)
+        workers = worker_configs(config)
         if config.frontends > 1 and config.frontend.port == 0:
             raise ValueError("--frontends above 1 needs a fixed --port, which they share")
     except ValueError as exc:
