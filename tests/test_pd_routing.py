@@ -18,6 +18,9 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
 
 from genmesh.client import MeshClient, request
@@ -26,10 +29,11 @@ from genmesh.routing.pairing import PdConfig
 from genmesh.services.frontend.serve import start_frontend
 from genmesh.services.router.metrics import router_registry
 from genmesh.services.router.service import Router
-from genmesh.shared import frames
+from genmesh.shared import frames, tracing
 from genmesh.shared.bus import PREFILL_HEADER, codec_headers, message_codec, publish
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.subjects import Subjects
+from genmesh.shared.tracing import PD_PREFILL_WORKER, ROUTER, WORKER
 from tests.http_util import post
 from tests.mesh import frontend_options
 
@@ -139,6 +143,29 @@ async def test_a_router_forwards_the_pair_as_a_header(nc: Client, namespace: str
     finally:
         await client.close()
         await router.stop()
+
+
+async def test_the_routers_span_names_the_pair(nc: Client, namespace: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    router = Router(nc, Subjects(namespace), router_id="r-pdt")
+    await router.start()
+    await stand_ins(nc, namespace, ("d1", "decode"), ("p1", "prefill"))
+    client = MeshClient(nc, namespace)
+    await client.start()
+    try:
+        await eventually(lambda: len(router.directory.live()) == 2, "both cards")
+        assert [f["t"] async for f in client.generate(request([1, 2, 3]))] == ["ack", "end"]
+        [span] = [s for s in exporter.get_finished_spans() if ROUTER in (s.attributes or {})]
+        attributes = dict(span.attributes or {})
+        assert (attributes[WORKER], attributes[PD_PREFILL_WORKER]) == ("d1", "p1")
+    finally:
+        await client.close()
+        await router.stop()
+        tracing.install(None)
+        provider.shutdown()
 
 
 async def test_a_router_drops_a_pairing_its_requester_made(nc: Client, namespace: str) -> None:

@@ -247,7 +247,9 @@ class Router(Service):
         # pairing, which is this router's to make: a requester's own is dropped.
         headers = msg.headers
         if span is not None:
-            headers = router_tracing.routed(span, worker, decision.candidates, headers)
+            headers = router_tracing.routed(
+                span, worker, decision.candidates, headers, decision.prefill
+            )
         if decision.prefill is not None:
             headers = {**(headers or {}), PREFILL_HEADER: decision.prefill.id}
         elif headers and PREFILL_HEADER in headers:
