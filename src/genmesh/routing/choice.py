@@ -14,10 +14,10 @@ from genmesh.routing.pairing import (
     LOCAL,
     PREFILL,
     PdConfig,
+    cached_tokens_reader,
     local_prefill,
     prefill_policy,
     prefill_workers,
-    uncached_tokens,
 )
 from genmesh.routing.policies import Policy
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
@@ -61,6 +61,7 @@ class Chooser:
         self.directory = directory
         self.policy = policy
         self.prefill_policy = prefill_policy(policy)
+        self._cached_tokens = cached_tokens_reader(policy)
         self.local_prefill_tokens = (pd or PdConfig()).local_prefill_tokens
         # Only when a threshold is set: without, the check costs nothing.
         self._busy = admission if admission is not None and admission.thresholds else None
@@ -158,7 +159,7 @@ class Chooser:
         alone = local_prefill(decode)
         threshold = self.local_prefill_tokens
         # Read before the prefill choice: with the kv policy shared, it would overwrite it.
-        if alone and threshold and uncached_tokens(self.policy, envelope) < threshold:
+        if alone and threshold and len(envelope.token_ids) - self._cached_tokens() < threshold:
             self.pd_routed[LOCAL] += 1
             return None
         eligible = prefill_workers(decode, live, envelope.format)

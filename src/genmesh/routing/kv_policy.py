@@ -62,6 +62,9 @@ class KvPolicy:
         self._rng = rng or random.Random()
         # See `CacheAware` (routing/policies.py).
         self.chosen_cached_tokens = 0
+        # The last envelope's block keys (envelope, block size, keys): a pair's two choices
+        # (its decode worker's, then its prefill worker's) hash one prompt once.
+        self._keys: tuple[Envelope, int, list[int]] | None = None
 
     def uses_events(self, worker: WorkerInfo) -> bool:
         return self.follows_events and publishes_kv_events(worker)
@@ -73,7 +76,7 @@ class KvPolicy:
 
     def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         size = block_size(workers)
-        keys = request_block_keys(envelope, size)
+        keys = self._block_keys(envelope, size)
         with_events = [self.uses_events(w) for w in workers]
         from_events = self.index.overlaps(keys) if any(with_events) else {}
         predicted = self.predicted.overlaps(keys) if not all(with_events) else {}
@@ -98,6 +101,14 @@ class KvPolicy:
             tokens = None if info is None else info.max_total_num_tokens
             self.predicted.record(chosen.id, keys, None if tokens is None else tokens // size)
         return chosen
+
+    def _block_keys(self, envelope: Envelope, size: int) -> list[int]:
+        last = self._keys
+        if last is not None and last[0] is envelope and last[1] == size:
+            return last[2]
+        keys = request_block_keys(envelope, size)
+        self._keys = (envelope, size, keys)
+        return keys
 
     def _pick(self, workers: list[WorkerInfo], costs: list[float]) -> int:
         """The index of the worker chosen among `workers`."""

@@ -7,6 +7,7 @@ the workers' cards, and the paths it counts. Imports nothing heavy: configs read
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,6 @@ from genmesh.shared.settings import non_negative_int, option
 
 if TYPE_CHECKING:
     from genmesh.shared.discovery import WorkerInfo
-    from genmesh.shared.envelope import Envelope
 
 # The roles of `engines/base.py` (ROLE_PREFILL, ROLE_DECODE), as worker cards announce
 # them: the routing layer may not import the engines'.
@@ -56,10 +56,13 @@ def prefill_policy(policy: Policy) -> Policy:
     return policy if isinstance(policy, CacheAware) else make_policy(policy.name)
 
 
-def uncached_tokens(policy: Policy, envelope: Envelope) -> int:
-    """Prompt tokens of `envelope` not cached on the worker `policy` just chose for it."""
-    cached = policy.chosen_cached_tokens if isinstance(policy, CacheAware) else 0
-    return len(envelope.token_ids) - cached
+def cached_tokens_reader(policy: Policy) -> Callable[[], int]:
+    """How to read the prompt tokens cached on the worker `policy` chose last: the kv
+    policy's count; nothing for the others, which know no cache. Asked once (isinstance
+    on a protocol costs microseconds)."""
+    if isinstance(policy, CacheAware):
+        return lambda: policy.chosen_cached_tokens
+    return lambda: 0
 
 
 def prefill_workers(decode: WorkerInfo, live: list[WorkerInfo], fmt: str) -> list[WorkerInfo]:
