@@ -97,10 +97,12 @@ class Chooser:
                     "stages of its decode workers, not whole requests",
                 )
             workers = [pinned]
+        # The card's role read directly (`WorkerInfo.role` with its default costs twice as
+        # much, per worker per request).
         eligible = [
             w
             for w in workers
-            if w.role != PREFILL
+            if w.card.get("role") != PREFILL
             and w.serves(envelope.format)
             and (envelope.model is None or w.model == envelope.model)
         ]
@@ -119,7 +121,8 @@ class Chooser:
         if not free:
             raise WorkersBusy(len(eligible), busy is not None)
         worker = self.policy.choose(free, envelope)
-        prefill = self._prefill_for(worker, live, envelope) if worker.role == DECODE else None
+        pairs = worker.card.get("role") == DECODE
+        prefill = self._prefill_for(worker, live, envelope) if pairs else None
         directory.note_sent(worker)
         if busy is not None:
             busy.note_sent(worker, envelope)
