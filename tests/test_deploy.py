@@ -185,8 +185,8 @@ def test_every_command_and_variable_in_the_compose_file_exists_in_the_cli() -> N
             if arg.startswith("--"):
                 flag = "GENMESH_" + arg[2:].split("=")[0].replace("-", "_").upper()
                 assert flag in commands[command[0]], f"{name}: unknown option {arg}"
-        # Each role logs in as itself, with its own password.
-        role = command[0]
+        # Each role logs in as itself, with its own password (a decode worker as `decode`).
+        role = "decode" if env.get("GENMESH_ROLE") == "decode" else command[0]
         assert env["GENMESH_NATS_USER"] == role, name
         assert f"NATS_{role.upper()}_PASSWORD" in env["GENMESH_NATS_PASSWORD"], name
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
