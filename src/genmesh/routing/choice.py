@@ -168,8 +168,9 @@ class Chooser:
         eligible = prefill_workers(decode, live, envelope.format)
         free = self._free(eligible, envelope.routing.exclude)
         if free:
+            prefill = self.prefill_policy.choose(free, envelope)
             self.pd_routed[DISAGGREGATED] += 1
-            return self.prefill_policy.choose(free, envelope)
+            return prefill
         if alone:
             self.pd_routed[FALLBACK] += 1
             return None
