@@ -11,6 +11,7 @@ import pytest
 
 from genmesh.client import request
 from genmesh.client.migration import MigrationReason, Migrator
+from genmesh.routing.admission import Admission
 from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.choice import Chooser, WorkersBusy
 from genmesh.routing.kv_policy import KvPolicy
@@ -200,6 +201,18 @@ def test_a_decode_worker_that_cannot_prefill_alone_waits_for_a_busy_prefill_work
         "all 1 eligible prefill workers are at capacity",
     )
     assert d.load == 0  # nothing counted for a refusal
+
+
+def test_the_admission_queue_holds_a_request_whose_prefill_workers_are_busy() -> None:
+    d = worker("d", "decode", kind="sglang", local_prefill=False)
+    p = worker("p", "prefill", kind="sglang", inflight=4, capacity=4)
+    config = AdmissionConfig(queue_size=4)
+    admission = Admission(chooser(d, p, admission=config), config, "test")
+    assert admission.choose(request(PROMPT)) is None  # it waits, not refused
+    p.inflight = 0  # the prefill worker's next report: room again
+    decision = admission.choose(request(PROMPT))
+    assert decision is not None
+    assert decision.prefill is p
 
 
 def test_an_sglang_like_decode_worker_without_prefill_workers_is_no_worker() -> None:
