@@ -106,7 +106,11 @@ def cmd_worker(config: WorkerProcessConfig) -> int:
     configure_logging(config.mesh.log_level, f"worker[{worker_id}]")
     try:  # the settings are checked before connecting to anything
         engine = create_engine(
-            config.engine, url=config.engine_url, mock=config.mock, kv_events=config.kv_events
+            config.engine,
+            url=config.engine_url,
+            mock=config.mock,
+            kv_events=config.kv_events,
+            sglang_bootstrap=config.sglang_bootstrap,
         )
     except ValueError as exc:
         return _fail(str(exc))

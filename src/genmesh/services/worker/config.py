@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from genmesh.engines import ENGINES
 from genmesh.engines.base import ROLE_BOTH, ROLES
 from genmesh.engines.mock import MockConfig
+from genmesh.engines.sglang_pd import BootstrapConfig
 from genmesh.engines.zmq_events import ZmqEventsConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
@@ -67,6 +68,9 @@ class WorkerProcessConfig:
     engine_url: str | None = option(None, help="HTTP address of the SGLang/vLLM server")
     kv_events: ZmqEventsConfig = group(
         ZmqEventsConfig(), title="KV events of an SGLang/vLLM server (its --kv-events-config)"
+    )
+    sglang_bootstrap: BootstrapConfig = group(
+        BootstrapConfig(), title="P/D: an SGLang prefill server's bootstrap (--role prefill)"
     )
     # A worker's mock runs its timing model in real time (the mock's own default: instant).
     mock: MockConfig = group(MockConfig(speedup=1.0), title="mock engine (--engine mock)")
