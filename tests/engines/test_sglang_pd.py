@@ -17,10 +17,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import nats
 import pytest
 from aiohttp import web
 
 from genmesh.client import request
+from genmesh.codecs import get_codec
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.faults import ServerState
 from genmesh.engines.http import HttpEngineConfig
@@ -30,11 +32,15 @@ from genmesh.engines.sglang_pd import (
     BootstrapConfig,
     expert_rows,
 )
+from genmesh.shared.bus import publish
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.subjects import Subjects
 from genmesh.testkit.common import STATE, serving
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang import build_app
+from tests.conftest import unique_namespace
+from tests.inproc import InProcessMesh
 from tests.testkit.test_sglang_server import eventually
 
 pytestmark = pytest.mark.inproc
@@ -539,3 +545,45 @@ def test_expert_rows_take_the_tail_of_a_complete_blob_only() -> None:
     assert expert_rows([], 0, 0) == []
     assert expert_rows([1], 0, 0) is None
     assert expert_rows(None, 4, 2) is None
+
+
+async def test_a_prefill_workers_card_gives_its_bootstrap_address(nats_url: str) -> None:
+    """Through `genmesh worker`'s options: the card a decode worker pairs by."""
+    mesh = InProcessMesh(nats_url, unique_namespace("sglang-pd"))
+    try:
+        _, url = mesh.spawn_engine_server("sglang", "--disaggregation-mode", "prefill")
+        options = ("--role", "prefill", "--engine-bootstrap-port", "9123")
+        mesh.add_worker("p1", engine="sglang", engine_url=url, extra_args=options)
+        card = await announced(mesh.nats_url, mesh.namespace, "p1")
+    finally:
+        mesh.stop()
+    assert card["role"] == "prefill"
+    assert card["disagg"] == {
+        "kind": "sglang",
+        "local_prefill": False,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 9123,
+    }
+
+
+async def announced(nats_url: str, namespace: str, worker_id: str) -> dict[str, Any]:
+    """`worker_id`'s card, as discovery answers a query."""
+    subjects = Subjects(namespace)
+    codec = get_codec(None)
+    nc = await nats.connect(nats_url)
+    cards: list[dict[str, Any]] = []
+
+    async def on_card(msg: Any) -> None:
+        cards.append(codec.decode(msg.data))
+
+    async def seen() -> bool:
+        return any(c["id"] == worker_id for c in cards)
+
+    try:
+        await nc.subscribe(subjects.announce, cb=on_card)
+        await nc.flush()
+        await publish(nc, subjects.query, codec, {})
+        await eventually(seen)
+    finally:
+        await nc.close()
+    return next(c for c in cards if c["id"] == worker_id)
