@@ -32,7 +32,7 @@ from genmesh.engines.sglang_pd import (
     BootstrapConfig,
     expert_rows,
 )
-from genmesh.shared.bus import publish
+from genmesh.shared.bus import PREFILL_HEADER, publish
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import Subjects
@@ -587,3 +587,82 @@ async def announced(nats_url: str, namespace: str, worker_id: str) -> dict[str, 
     finally:
         await nc.close()
     return next(c for c in cards if c["id"] == worker_id)
+
+
+# ---------------------------------------------------------------- through the workers
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 6])
+async def test_a_decode_worker_pairs_with_an_sglang_prefill_worker(
+    nats_url: str, max_tokens: int
+) -> None:
+    """The whole P/D path over NATS (services/worker/disagg.py): the envelope reaches the
+    decode worker with the `genmesh-prefill` header, the stage runs on the prefill worker,
+    and the joined frames give the aggregated server's answer, expert rows included."""
+    mesh = InProcessMesh(nats_url, unique_namespace("sglang-pd"))
+    try:
+        _, agg_url = mesh.spawn_engine_server("sglang", "--vocab-size", "1000")
+        servers = {
+            role: mesh.spawn_engine_server(
+                "sglang", "--vocab-size", "1000", "--disaggregation-mode", role
+            )[1]
+            for role in ("prefill", "decode")
+        }
+        port = servers["prefill"].rsplit(":", 1)[1]
+        for wid, role, extra in (
+            ("p1", "prefill", ("--engine-bootstrap-port", port)),
+            ("d1", "decode", ()),
+        ):
+            mesh.add_worker(
+                wid, engine="sglang", engine_url=servers[role], extra_args=("--role", role, *extra)
+            )
+        await announced(mesh.nats_url, mesh.namespace, "p1")
+        env = envelope(max_tokens, experts_from=20)
+        agg = await collect_generate(agg_url, env)
+        frames = await via_decode_worker(mesh, env, "d1", "p1")
+        prefill_state = await get(f"{servers['prefill']}/testkit/state")
+        handles = await get(f"{servers['prefill']}/testkit/pd")
+    finally:
+        mesh.stop()
+    outs = [f for f in frames if f["t"] in ("out", "end")]
+    assert outs[-1]["t"] == "end", frames
+    assert [t for f in outs for t in f["tokens"]] == tokens(agg)
+    assert [x for f in outs for x in f.get("logprobs", [])] == field_of(agg, "logprobs")
+    assert outs[0]["prompt_logprobs"] == agg[0].prompt_logprobs
+    assert [x for f in outs for row in f.get("routed_experts", []) for x in row] == [
+        x for out in agg for x in flat(out.routed_experts)
+    ]
+    assert outs[-1]["finish"] == {"reason": "length"}
+    assert prefill_state["received"] == 1  # the prefill really ran there
+    assert handles["handles"] == []
+
+
+async def collect_generate(url: str, env: Envelope) -> list[EngineOutput]:
+    eng = await engine(url)
+    try:
+        return await collect(eng.generate(env))
+    finally:
+        await eng.close()
+
+
+async def via_decode_worker(
+    mesh: InProcessMesh, env: Envelope, decode: str, prefill: str
+) -> list[dict[str, Any]]:
+    """`env`'s frames from the decode worker, sent as a router sends a paired request."""
+    codec = get_codec(None)
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(
+            Subjects(mesh.namespace).worker_generate(decode),
+            codec.encode(env.to_wire()),
+            reply=inbox,
+            headers={PREFILL_HEADER: prefill},
+        )
+        frames: list[dict[str, Any]] = []
+        while (msg := await sub.next_msg(timeout=10)).data:
+            frames.append(codec.decode(msg.data))
+        return frames
+    finally:
+        await nc.close()
