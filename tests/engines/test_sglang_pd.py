@@ -666,3 +666,39 @@ async def via_decode_worker(
         return frames
     finally:
         await nc.close()
+
+
+async def test_a_refused_prefill_stops_the_decode_on_its_server(nats_url: str) -> None:
+    """The prefill server refuses the stage (HTTP 400): the request ends with that error,
+    and the decode half, waiting for KV that will never come, is aborted on its server."""
+    mesh = InProcessMesh(nats_url, unique_namespace("sglang-pd"))
+    try:
+        servers = {
+            role: mesh.spawn_engine_server("sglang", "--disaggregation-mode", role)[1]
+            for role in ("prefill", "decode")
+        }
+        port = servers["prefill"].rsplit(":", 1)[1]
+        for wid, role, extra in (
+            ("p1", "prefill", ("--engine-bootstrap-port", port)),
+            ("d1", "decode", ()),
+        ):
+            mesh.add_worker(
+                wid, engine="sglang", engine_url=servers[role], extra_args=("--role", role, *extra)
+            )
+        await announced(mesh.nats_url, mesh.namespace, "p1")
+        fault = {"kind": "http_error", "status": 400, "message": "no such LoRA"}
+        await post(f"{servers['prefill']}/testkit/faults", fault)
+        frames = await via_decode_worker(mesh, envelope(6), "d1", "p1")
+
+        async def decode_stopped() -> bool:
+            state = await get(f"{servers['decode']}/testkit/state")
+            return state["running"] == [] and len(state["abort_calls"]) == 1
+
+        await eventually(decode_stopped)
+    finally:
+        mesh.stop()
+    err = frames[-1]
+    assert err["t"] == "err"
+    assert err["code"] == "invalid_argument"
+    assert err["message"] == "no such LoRA"
+    assert err["detail"] == {"status_code": 400, "err_type": None, "prefill_worker": "p1"}
