@@ -462,6 +462,37 @@ MATRIX: list[Rule] = [
         "worker", "pub", "_INBOX_frontend.f1.0", False,
         "replies only to requests it received (allow_responses)",
     ),
+    Rule("worker", "sub", W + ".kv_pull", True, "KV pulls of its handles (the mock's P/D)"),
+    Rule("worker", "pub", W + ".kv_pull", False, "only a decode worker pulls KV"),
+    Rule(
+        "worker", "sub", "_INBOX_decode.>", False, "a decode worker's inbox",
+        sample="_INBOX_decode.d.0",
+    ),
+    # decode: a decode worker (--role decode), which has prefill stages run elsewhere
+    Rule("decode", "sub", W + ".generate", True, "its requests"),
+    Rule("decode", "pub", "genmesh.{ns}.worker.w2.generate", True, "prefill stages"),
+    Rule("decode", "pub", W + ".ping", True, "is its prefill worker alive?"),
+    Rule("decode", "pub", "genmesh.{ns}.cancel", True, "stop a stage it no longer needs"),
+    Rule("decode", "pub", W + ".kv_pull", True, "the mock's KV transfer"),
+    Rule(
+        "decode", "sub", "genmesh.{ns}.discovery.>", True, "the prefill workers' cards",
+        sample="genmesh.{ns}.discovery.announce",
+    ),
+    Rule(
+        "decode", "sub", "_INBOX_decode.>", True, "its stages' frames",
+        sample="_INBOX_decode.d.0",
+    ),
+    Rule("decode", "pub", "genmesh.{ns}.router.generate", False, "not a client of the routers"),
+    Rule("decode", "pub", "genmesh.{ns}.abort", False, "cannot abort others' requests"),
+    Rule("decode", "pub", "genmesh.{ns}.discovery.router", False, "cannot pose as a router"),
+    Rule(
+        "decode", "sub", "_INBOX_frontend.>", False, "a requester's inbox",
+        sample="_INBOX_frontend.f1.0",
+    ),
+    Rule(
+        "decode", "pub", "_INBOX_frontend.f1.0", False,
+        "replies only to requests it received (allow_responses)",
+    ),
     # admin: operators' tools
     Rule("admin", "sub", ">", True, "everything", sample="genmesh.{ns}.cancel"),
     Rule("admin", "pub", W + ".generate", True, "everything"),
