@@ -33,7 +33,6 @@ from bench_adapter import closed_loop, cpu_of, free_port
 from genmesh.client import request
 from genmesh.engines.http import HttpEngineConfig
 from genmesh.engines.sglang import SglangEngine
-from genmesh.engines.sglang_pd import BootstrapConfig
 from genmesh.engines.vllm import VllmEngine
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.ids import new_request_id
@@ -60,11 +59,8 @@ def wait_healthy(url: str) -> None:
 
 
 def adapter(engine: str, url: str) -> VllmEngine | SglangEngine:
-    if engine == "vllm":
-        return VllmEngine(HttpEngineConfig(url))
-    # The mock's bootstrap server is its HTTP port (testkit/pd.py).
-    port = int(url.rsplit(":", 1)[1])
-    return SglangEngine(HttpEngineConfig(url), BootstrapConfig(port=port))
+    # (An SGLang prefill server's bootstrap port: as its /server_info reports it.)
+    return (VllmEngine if engine == "vllm" else SglangEngine)(HttpEngineConfig(url))
 
 
 async def vllm_pair(prefill: VllmEngine, decode: VllmEngine, env: Envelope) -> int:

@@ -102,12 +102,8 @@ async def pair(
         d_via = d_url
         if decode_proxy is not None:
             d_via = await stack.enter_async_context(serving(decode_proxy(d_url)))
-        # The mock's bootstrap server is its HTTP port (testkit/pd.py).
-        engines = [
-            await engine(agg_url),
-            await engine(p_via, int(p_url.rsplit(":", 1)[1])),
-            await engine(d_via),
-        ]
+        # The prefill's bootstrap port: as its /server_info reports it.
+        engines = [await engine(agg_url), await engine(p_via), await engine(d_via)]
         for eng in engines:
             stack.push_async_callback(eng.close)
         yield Pair(*engines, p_app[STATE], d_app[STATE], p_url, d_url)
@@ -511,11 +507,11 @@ async def test_the_card_gives_the_bootstrap_address() -> None:
         given = await engine(url.replace("127.0.0.1", "localhost"), 9123)
         named = SglangEngine(HttpEngineConfig(url=url), BootstrapConfig(host="10.0.0.7", port=9000))
         try:
-            # The mock reports SGLang's default port in /server_info.
+            # The mock's bootstrap server is its HTTP port, and its /server_info says so.
             assert reported.pd_card() == {
                 "local_prefill": False,
                 "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": DEFAULT_BOOTSTRAP_PORT,
+                "bootstrap_port": int(url.rsplit(":", 1)[1]),
             }
             assert given.pd_card()["bootstrap_host"] == "localhost"
             assert given.pd_card()["bootstrap_port"] == 9123
@@ -523,6 +519,16 @@ async def test_the_card_gives_the_bootstrap_address() -> None:
         finally:
             for eng in (reported, given, named):
                 await eng.close()
+
+
+def test_the_bootstrap_address_falls_back_to_sglangs_default_port() -> None:
+    config = BootstrapConfig()
+    assert config.address("http://gpu1:30000", {}) == ("gpu1", DEFAULT_BOOTSTRAP_PORT)
+    assert config.address("http://gpu1:30000", {"disaggregation_bootstrap_port": 9001}) == (
+        "gpu1",
+        9001,
+    )
+    assert BootstrapConfig(port=7000).address("http://gpu1:30000", {}) == ("gpu1", 7000)
 
 
 def test_a_ticket_needs_the_prefill_workers_bootstrap_address() -> None:
@@ -608,13 +614,9 @@ async def test_a_decode_worker_pairs_with_an_sglang_prefill_worker(
             )[1]
             for role in ("prefill", "decode")
         }
-        port = servers["prefill"].rsplit(":", 1)[1]
-        for wid, role, extra in (
-            ("p1", "prefill", ("--engine-bootstrap-port", port)),
-            ("d1", "decode", ()),
-        ):
+        for wid, role in (("p1", "prefill"), ("d1", "decode")):
             mesh.add_worker(
-                wid, engine="sglang", engine_url=servers[role], extra_args=("--role", role, *extra)
+                wid, engine="sglang", engine_url=servers[role], extra_args=("--role", role)
             )
         await announced(mesh.nats_url, mesh.namespace, "p1")
         env = envelope(max_tokens, experts_from=20)
@@ -677,13 +679,9 @@ async def test_a_refused_prefill_stops_the_decode_on_its_server(nats_url: str) -
             role: mesh.spawn_engine_server("sglang", "--disaggregation-mode", role)[1]
             for role in ("prefill", "decode")
         }
-        port = servers["prefill"].rsplit(":", 1)[1]
-        for wid, role, extra in (
-            ("p1", "prefill", ("--engine-bootstrap-port", port)),
-            ("d1", "decode", ()),
-        ):
+        for wid, role in (("p1", "prefill"), ("d1", "decode")):
             mesh.add_worker(
-                wid, engine="sglang", engine_url=servers[role], extra_args=("--role", role, *extra)
+                wid, engine="sglang", engine_url=servers[role], extra_args=("--role", role)
             )
         await announced(mesh.nats_url, mesh.namespace, "p1")
         fault = {"kind": "http_error", "status": 400, "message": "no such LoRA"}
