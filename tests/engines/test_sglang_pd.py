@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -20,12 +21,16 @@ import aiohttp
 import nats
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from genmesh.client import request
 from genmesh.codecs import get_codec
 from genmesh.engines.base import EngineOutput
+from genmesh.engines.execute import output_frame
 from genmesh.engines.faults import ServerState
 from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.pd_join import PdJoin, PrefillResult
 from genmesh.engines.sglang import SglangEngine
 from genmesh.engines.sglang_pd import (
     DEFAULT_BOOTSTRAP_PORT,
@@ -76,6 +81,7 @@ async def engine(url: str, port: int | None = None) -> SglangEngine:
 async def pair(
     timeout_s: float = 5.0,
     *,
+    base: MockServerConfig = BASE,
     incremental: bool = False,
     prefill_proxy: Callable[[str], web.Application] | None = None,
     decode_proxy: Callable[[str], web.Application] | None = None,
@@ -85,7 +91,7 @@ async def pair(
 
     def config(mode: str) -> MockServerConfig:
         return dataclasses.replace(
-            BASE,
+            base,
             incremental=incremental,
             disaggregation_mode=mode,
             disaggregation_timeout_s=timeout_s,
@@ -700,3 +706,103 @@ async def test_a_refused_prefill_stops_the_decode_on_its_server(nats_url: str) -
     assert err["code"] == "invalid_argument"
     assert err["message"] == "no such LoRA"
     assert err["detail"] == {"status_code": 400, "err_type": None, "prefill_worker": "p1"}
+
+
+# ---------------------------------------------------------------- the differential law
+
+SMALL = dataclasses.replace(BASE, vocab_size=16, eos_token_id=7)  # EOS comes often
+EXAMPLES = int(os.environ.get("GENMESH_SGLANG_PD_EXAMPLES", "60"))
+
+
+@st.composite
+def pd_cases(draw: st.DrawFn) -> tuple[Envelope, bool]:
+    """A request with random prompt, budget (0 included), stops, logprob and expert options;
+    and whether the servers stream incrementally. (No stop ids under ignore_eos: those the
+    adapter cuts itself, and an aggregated run then never sees the expert blob.)"""
+    n = draw(st.integers(1, 24))
+    tokens = st.integers(0, SMALL.vocab_size - 1)
+    prompt = draw(st.lists(tokens, min_size=n, max_size=n))
+    max_tokens = draw(st.integers(0, 8))
+    ignore_eos = draw(st.booleans())
+    env = request(
+        prompt,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, min(max_tokens, 2))),
+        ignore_eos=ignore_eos,
+        stop_token_ids=[] if ignore_eos else draw(st.lists(tokens, max_size=2, unique=True)),
+        logprobs=draw(st.booleans()),
+        top_logprobs=draw(st.integers(0, 2)),
+        prompt_logprobs_start=draw(st.none() | st.integers(0, n - 1)),
+    )
+    output = dataclasses.replace(
+        env.output,
+        logprob_token_ids=draw(st.lists(tokens, max_size=2, unique=True)),
+        routed_experts_start=draw(st.none() | st.integers(0, n)),
+    )
+    return dataclasses.replace(env, output=output), draw(st.booleans())
+
+
+def joined(env: Envelope, pre: list[EngineOutput], dec: list[EngineOutput]) -> list[EngineOutput]:
+    """The halves as the decode worker joins them (services/worker/disagg.py)."""
+    result = PrefillResult()
+    for out in pre:
+        result.add(output_frame(prefill_stage_id(env.id), out))
+    if env.sampling.max_tokens == 0:
+        return [result.as_output()]
+    join = PdJoin(env, result)
+    return [join.join(out) for out in dec]
+
+
+def answer(outs: list[EngineOutput]) -> dict[str, Any]:
+    """What a client is told, whatever the chunking."""
+    first, last = outs[0], outs[-1]
+    return {
+        "tokens": tokens(outs),
+        **{name: field_of(outs, name) for name in ("logprobs", "top_logprobs")},
+        "token_ids_logprobs": field_of(outs, "token_ids_logprobs"),
+        "prompt_logprobs": first.prompt_logprobs,
+        "prompt_top_logprobs": first.prompt_top_logprobs,
+        "prompt_token_ids_logprobs": first.prompt_token_ids_logprobs,
+        "cached_tokens": first.cached_tokens,
+        "routed_experts": [x for out in outs for x in flat(out.routed_experts)],
+        "finish": last.finish,
+        "usage": last.usage,
+    }
+
+
+def test_the_joined_halves_answer_what_an_aggregated_server_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ran = 0
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,  # the same cases every run
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(pd_cases())
+    def law(case: tuple[Envelope, bool]) -> None:
+        nonlocal ran
+        ran += 1
+        env, incremental = case
+
+        async def example() -> None:
+            async with pair(base=SMALL, incremental=incremental) as p:
+                agg = await collect(p.agg.generate(env))
+                if env.sampling.max_tokens == 0:  # the decode worker runs no decode
+                    ticket = p.decode.pd_ticket(env, p.card())
+                    pre = await collect(p.prefill.prefill(stage_of(env, ticket), ticket))
+                    dec: list[EngineOutput] = []
+                else:
+                    pre, dec = await run_pd(p, env)
+                assert answer(joined(env, pre, dec)) == answer(agg)
+                assert p.prefill.pd_experts_omitted == p.decode.pd_experts_omitted == 0
+
+        asyncio.run(example())
+
+    law()
+    with capsys.disabled():
+        print(f"\nSGLang P/D differential: {ran} cases", end="")
+    assert ran == EXAMPLES
