@@ -185,8 +185,8 @@ def test_every_command_and_variable_in_the_compose_file_exists_in_the_cli() -> N
             if arg.startswith("--"):
                 flag = "GENMESH_" + arg[2:].split("=")[0].replace("-", "_").upper()
                 assert flag in commands[command[0]], f"{name}: unknown option {arg}"
-        # Each role logs in as itself, with its own password.
-        role = command[0]
+        # Each role logs in as itself, with its own password (a decode worker as `decode`).
+        role = "decode" if env.get("GENMESH_ROLE") == "decode" else command[0]
         assert env["GENMESH_NATS_USER"] == role, name
         assert f"NATS_{role.upper()}_PASSWORD" in env["GENMESH_NATS_PASSWORD"], name
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
@@ -205,6 +205,10 @@ def test_the_compose_file_has_what_the_deployment_needs() -> None:
     assert by_profile["sglang"] == {"worker-sglang"}
     assert by_profile["vllm"] == {"worker-vllm"}
     assert by_profile["cluster"] == {"nats-2", "nats-3"}
+    assert by_profile["pd"] == {"worker-prefill", "worker-decode"}
+    for name, role in (("worker-prefill", "prefill"), ("worker-decode", "decode")):
+        env = services[name]["environment"]
+        assert (env["GENMESH_ENGINE"], env["GENMESH_ROLE"]) == ("mock", role), name
     for name in ("worker-sglang", "worker-vllm"):
         env = services[name]["environment"]
         assert env["GENMESH_ENGINE"] in name
