@@ -251,14 +251,20 @@ def start_inproc_mesh(
     workers: int = 2,
     routers: int = 1,
     worker_opts: dict[str, Any] | None = None,
+    worker_args: list[tuple[str, ...]] | None = None,
     frontend_args: tuple[str, ...] = (),
 ) -> InProcessMesh:
-    """A ready mesh: its routers, workers and frontend started, the workers known to it."""
+    """A ready mesh: its routers, workers and frontend started, the workers known to it.
+    `worker_args`: each worker's command-line options (then `workers` is their number)."""
     mesh = InProcessMesh(nats_url, namespace)
+    each = worker_args if worker_args is not None else [()] * workers
     try:
         for _ in range(routers):
             mesh.add_router()
-        ids = [mesh.add_worker(wait=False, **(worker_opts or {})).name for _ in range(workers)]
+        ids = [
+            mesh.add_worker(wait=False, extra_args=args, **(worker_opts or {})).name
+            for args in each
+        ]
         mesh.add_frontend(*frontend_args)
         mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
         wait_until(lambda: mesh._http_ok("/health"), what="the frontend to be ready")

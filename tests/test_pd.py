@@ -63,19 +63,13 @@ def aggregated(nats_url: str) -> Iterator[InProcessMesh]:
 @pytest.fixture(scope="module")
 def disaggregated(nats_url: str) -> Iterator[InProcessMesh]:
     """Two prefill and two decode workers; the frontend routes the pairs itself."""
-    mesh = InProcessMesh(nats_url, unique_namespace("pd"))
-    try:
-        ids = [
-            mesh.add_worker(wait=False, extra_args=("--role", role), **WORKER_OPTS).name
-            for role in ("prefill", "prefill", "decode", "decode")
-        ]
-        mesh.add_frontend()
-        mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
-        wait_until(lambda: mesh._http_ok("/health"), what="the frontend to be ready")
-    except BaseException:
-        print(mesh.logs())
-        mesh.stop()
-        raise
+    mesh = start_inproc_mesh(
+        nats_url,
+        namespace=unique_namespace("pd"),
+        routers=0,
+        worker_opts=WORKER_OPTS,
+        worker_args=[("--role", role) for role in ("prefill", "prefill", "decode", "decode")],
+    )
     yield mesh
     mesh.stop()
 
