@@ -232,8 +232,9 @@ class SglangEngine(HttpEngineBase):
     def __init__(self, config: HttpEngineConfig, bootstrap: BootstrapConfig | None = None) -> None:
         super().__init__(config)
         self.bootstrap = bootstrap or BootstrapConfig()
-        # P/D halves whose routed-experts blob was invalid or incomplete, so left out
-        # (for the worker's genmesh_pd_experts_omitted_total).
+        # P/D halves whose routed-experts blob was invalid or incomplete, so left out (the
+        # decode worker's join then leaves out the request's rows, and counts the request
+        # in genmesh_pd_experts_omitted_total; this says which half was at fault).
         self.pd_experts_omitted = 0
         # Learnt from the server by healthy(); forgotten while it is down.
         self._server_info: dict[str, Any] = {}
