@@ -120,6 +120,7 @@ def test_what_cannot_merge_exactly_is_refused() -> None:
         "finish",
         "usage",
         "engine",
+        "handoff",  # on the last output only, like finish: `b`'s
     }
 
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.frames import Finish, TopLogprobs, Usage
 from genmesh.shared.kv_events import KvEventBatch
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from genmesh.shared.subjects import Subjects
 
 
 @dataclass(slots=True)
@@ -40,6 +45,8 @@ class EngineOutput:
     usage: Usage | None = None
     # Engine-native extras passed through to formats untouched.
     engine: dict[str, Any] | None = None
+    # A prefill's result for its decode half, on its last output (`Disaggregating.prefill`).
+    handoff: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
     }
+
+
+# A worker's part in prefill/decode disaggregation (`--role`, docs/disaggregation.md).
+ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = "both", "prefill", "decode"
+ROLES = (ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE)
 
 
 class Engine(Protocol):
@@ -105,3 +117,57 @@ class Engine(Protocol):
         """The engine's KV cache events, batch by batch in the engine's order, from start
         to close (the worker relays them onto NATS); None when it publishes none."""
         ...
+
+
+class Disaggregating(Protocol):
+    """An engine that can run one half of a disaggregated request (docs/disaggregation.md).
+
+    The decode worker drives a request: it asks its engine for the `ticket` both halves
+    share, sends the prefill stage (the envelope with `disagg`) to the paired prefill
+    worker, whose engine runs `prefill`; it runs `decode` on its own engine, concurrently
+    (`pd_concurrent`: SGLang, whose two servers pair by the ticket) or once the prefill's
+    last output has handed over its `handoff` (vLLM's kv_transfer_params, the mock's KV
+    handle). The decode worker joins the halves' outputs (prompt logprobs and the prompt's
+    routed experts from prefill) into what `generate` would have produced.
+    """
+
+    # Which engines can pair: a prefill and a decode worker must announce the same.
+    pd_kind: str
+    pd_concurrent: bool
+
+    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+        """Called once by a prefill or decode worker as it starts, before any request:
+        an engine whose KV moves over the mesh (the mock) subscribes here; the engine's
+        subscriptions end with its `close`."""
+        ...
+
+    def pd_card(self) -> dict[str, Any]:
+        """What a decode worker must know of this (prefill) engine to pair with it, for the
+        worker card's `disagg` (SGLang: its bootstrap host and port)."""
+        ...
+
+    def pd_ticket(self, envelope: Envelope, prefill: dict[str, Any]) -> dict[str, Any]:
+        """The ticket for a request paired with the prefill worker whose card's `disagg` is
+        `prefill` (SGLang: bootstrap host, port and a fresh room; others: empty)."""
+        ...
+
+    def prefill(
+        self, envelope: Envelope, ticket: dict[str, Any]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The prefill half: its prompt logprobs and the prompt's routed experts, the first
+        token if the engine samples it, a finish, and `handoff` on the last output. An
+        engine's failure (an abort, a failed transfer) raises `MeshError`."""
+        ...
+
+    def decode(
+        self, envelope: Envelope, ticket: dict[str, Any], handoff: dict[str, Any] | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The decode half: the generation's outputs, as `generate` would give them but for
+        what prefill computed (prompt logprobs, the prompt's routed experts). `handoff` is
+        None when `pd_concurrent`. A transfer that fails raises `MeshError`."""
+        ...
+
+
+def disaggregating(engine: Engine) -> Disaggregating | None:
+    """`engine` as a P/D engine, or None if it cannot take part in P/D."""
+    return engine if hasattr(engine, "pd_kind") else None  # type: ignore[return-value]

@@ -75,6 +75,7 @@ def merge(a: EngineOutput, b: EngineOutput) -> EngineOutput:
         finish=b.finish,
         usage=b.usage,
         engine={**a.engine, **b.engine} if a.engine and b.engine else a.engine or b.engine,
+        handoff=b.handoff,
     )
 
 
@@ -109,6 +110,7 @@ def split(out: EngineOutput, k: int) -> tuple[EngineOutput, EngineOutput]:
         finish=out.finish,
         usage=out.usage,
         engine=out.engine,
+        handoff=out.handoff,
     )
     return head, tail
 

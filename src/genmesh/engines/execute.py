@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator
 
-from genmesh.engines.base import Engine, EngineOutput
+from genmesh.engines.base import EngineOutput
 from genmesh.engines.coalesce import coalesce
 from genmesh.shared import frames
 from genmesh.shared.envelope import Envelope
@@ -34,6 +34,8 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.OutputFrame:
             "finish": out.finish,
             "usage": out.usage or {},
         }
+        if out.handoff is not None:
+            frame["handoff"] = out.handoff
     # One test per field, spelled out: this runs for every token, and a loop over the
     # names with getattr costs ~40% more (0.49 against 0.35 µs a frame).
     if out.logprobs is not None:
@@ -62,10 +64,12 @@ def output_frame(request_id: str, out: EngineOutput) -> frames.OutputFrame:
 
 
 async def execute(
-    engine: Engine, envelope: Envelope
+    envelope: Envelope, generation: AsyncGenerator[EngineOutput, None]
 ) -> AsyncGenerator[frames.OutputFrame | frames.ErrFrame, None]:
-    """The frames after the `ack`: `out` frames, then exactly one `end` or `err`. An
-    `out` (or the `end`) carries every output the engine had ready at once.
+    """The frames after the `ack` of `envelope`, whose outputs `generation` yields (an
+    engine's `generate`, or a half of a disaggregated request): `out` frames, then exactly
+    one `end` or `err`. An `out` (or the `end`) carries every output the engine had ready
+    at once.
 
     Engine failures become `err` frames; only cancellation (CancelledError) escapes, and
     the caller decides what the client is told. Frames carry no `seq`: the sender numbers
@@ -78,7 +82,7 @@ async def execute(
         # Outputs the engine has ready at once go as one frame (engines/coalesce.py).
         # The coalescer is closed first: it may hold a step of the engine's generator.
         async with (
-            contextlib.aclosing(engine.generate(envelope)) as outputs,
+            contextlib.aclosing(generation) as outputs,
             contextlib.aclosing(coalesce(outputs)) as merged,
         ):
             async for out in merged:

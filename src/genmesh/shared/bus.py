@@ -23,6 +23,10 @@ from genmesh.shared.tasks import keep_cancel
 log = logging.getLogger(__name__)
 
 CODEC_HEADER = "genmesh-codec"
+# On a request to a decode worker: the worker id of the prefill worker the router paired it
+# with (docs/protocol.md §14). Routers forward the envelope's bytes untouched, so the
+# pairing travels beside them.
+PREFILL_HEADER = "genmesh-prefill"
 STATUS_HEADER = "Status"
 NO_RESPONDERS = "503"
 CONNECT_TIMEOUT_S = 2.0

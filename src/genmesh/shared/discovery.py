@@ -79,6 +79,19 @@ class WorkerInfo:
         model = self.card.get("model")
         return model if isinstance(model, str) else None
 
+    @property
+    def role(self) -> str:
+        """`both`, `prefill` or `decode` (docs/disaggregation.md); `both` if unannounced."""
+        role = self.card.get("role")
+        return role if isinstance(role, str) else "both"
+
+    @property
+    def disagg(self) -> dict[str, Any] | None:
+        """The card's `disagg` facts (its engine's P/D `kind`, and what a decode worker
+        needs to pair with it); None if the worker cannot take part in P/D."""
+        facts = self.card.get("disagg")
+        return facts if isinstance(facts, dict) else None
+
     def serves(self, fmt: str) -> bool:
         formats = self.card.get("formats")
         if not isinstance(formats, list):

@@ -348,6 +348,48 @@ class Continuation:
         }
 
 
+# A prefill stage's envelope ID: its parent's, suffixed, so that a cancel of the parent
+# reaches it too (workers match both, docs/protocol.md §14) while the decode worker can
+# cancel the stage alone.
+PREFILL_SUFFIX = "~p"
+PREFILL_STAGE = "prefill"
+
+
+def prefill_stage_id(parent_id: str) -> str:
+    return parent_id + PREFILL_SUFFIX
+
+
+@dataclass(slots=True)
+class Disagg:
+    """Marks an envelope as the prefill half of a disaggregated request (docs/protocol.md
+    §14): sent by the decode worker that runs the request to the prefill worker the
+    router paired it with. `ticket` is what both halves' engines must agree on (SGLang's
+    bootstrap triple; empty for engines that hand the KV over after the prefill)."""
+
+    parent: str
+    ticket: dict[str, Any] = field(default_factory=dict)
+    stage: str = PREFILL_STAGE
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any]) -> Disagg:
+        w = "disagg."
+        stage = _str(obj, "stage", w)
+        if stage != PREFILL_STAGE:
+            raise EnvelopeError(f"disagg.stage: expected {PREFILL_STAGE!r}, got {stage!r}")
+        parent = _str(obj, "parent", w)
+        if not parent:
+            raise EnvelopeError("disagg.parent: required, a non-empty string")
+        ticket = obj.get("ticket")
+        if ticket is None:
+            ticket = {}
+        if not isinstance(ticket, dict):
+            raise EnvelopeError(f"disagg.ticket: expected a map, got {type(ticket).__name__}")
+        return cls(parent=parent, ticket=ticket, stage=stage)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"stage": self.stage, "parent": self.parent, "ticket": self.ticket}
+
+
 @dataclass(slots=True)
 class Envelope:
     id: str
@@ -363,6 +405,8 @@ class Envelope:
     continuation: Continuation | None = None
     # Absolute deadline, Unix seconds; None = no deadline.
     deadline: float | None = None
+    # Set on the prefill half of a disaggregated request only.
+    disagg: Disagg | None = None
 
     def __post_init__(self) -> None:
         # Formats from other packages (and tests) may build envelopes from lists of ints;
@@ -387,6 +431,7 @@ class Envelope:
         if not token_ids:
             raise EnvelopeError("token_ids: must not be empty")
         continuation = _map(obj, "continuation")
+        disagg = _map(obj, "disagg")
         envelope = cls(
             id=request_id,
             token_ids=token_ids,
@@ -399,6 +444,7 @@ class Envelope:
             engine=_map(obj, "engine"),
             continuation=Continuation.from_wire(continuation) if continuation else None,
             deadline=_float(obj, "deadline", ""),
+            disagg=Disagg.from_wire(disagg) if disagg else None,
         )
         start = envelope.output.prompt_logprobs_start
         if start is not None and start >= len(token_ids):
@@ -436,6 +482,8 @@ class Envelope:
             out["engine"] = self.engine
         if self.continuation is not None:
             out["continuation"] = self.continuation.to_wire()
+        if self.disagg is not None:
+            out["disagg"] = self.disagg.to_wire()
         return out
 
 

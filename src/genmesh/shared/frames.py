@@ -79,6 +79,10 @@ class EndFrame(_Output, total=False):
     t: Required[Literal["end"]]
     finish: Required[Finish]
     usage: Required[Usage]
+    # A prefill stage's result for its decode half (docs/protocol.md §14): opaque to the
+    # mesh, read by the decode worker's engine (vLLM's kv_transfer_params, the mock's KV
+    # handle).
+    handoff: dict[str, Any]
 
 
 class KaFrame(TypedDict):

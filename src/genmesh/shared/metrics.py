@@ -75,7 +75,6 @@ class LoopHistogram(Collector):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self.bounds = sorted(float(b) for b in buckets)
-        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
         self._children: dict[tuple[str, ...], HistogramChild] = {}
         registry.register(self)
 
@@ -91,21 +90,33 @@ class LoopHistogram(Collector):
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self._children.items():
-            cumulative, running = [], 0
-            for le, count in zip(self._le, child.counts, strict=True):
-                running += count
-                cumulative.append((le, float(running)))
-            family.add_metric(list(values), cumulative, child.sum)
+            family.add_metric(list(values), child.cumulative(), child.sum)
         yield family
 
 
 class HistogramChild:
     __slots__ = ("bounds", "counts", "sum")
 
-    def __init__(self, bounds: list[float]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = sorted(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, count of values up to it) for each bucket, as Prometheus exposes them."""
+        out, running = [], 0
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for le, count in zip(les, self.counts, strict=True):
+            running += count
+            out.append((le, float(running)))
+        return out
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        """This histogram alone, as a metric family (for collectors that build theirs at
+        scrape time)."""
+        family = HistogramMetricFamily(name, documentation)
+        family.add_metric([], self.cumulative(), self.sum)
+        return family
 
     def observe(self, value: float) -> None:
         # Buckets are `le` (less or equal): bisect_left puts a value equal to a bound in it.

@@ -89,6 +89,10 @@ ROUTER_CANDIDATE_IDS = "genmesh.router.candidate_ids"
 # Milliseconds the request waited in an admission queue for a worker (only if it waited).
 ADMISSION_WAIT_MS = "genmesh.admission.wait_ms"
 ENGINE = "genmesh.engine"
+# Prefill/decode disaggregation: a worker's part in the request (`prefill` for a stage,
+# `decode` for a request it runs with a prefill worker), and that prefill worker.
+PD_ROLE = "genmesh.pd.role"
+PD_PREFILL_WORKER = "genmesh.pd.prefill_worker"
 TOKENS_OUTPUT = "genmesh.tokens.output"
 FINISH_REASON = "genmesh.finish_reason"
 GENMESH_ERROR_TYPE = "genmesh.error_type"

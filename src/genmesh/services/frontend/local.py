@@ -35,7 +35,7 @@ class LocalBackend:
         yield frames.ack(envelope.id, self.worker_id, new_request_id())
         self._running[envelope.id] = envelope
         try:
-            async for frame in execute(self.engine, envelope):
+            async for frame in execute(envelope, self.engine.generate(envelope)):
                 seq += 1
                 frame["seq"] = seq
                 yield frame

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genmesh.engines import ENGINES
+from genmesh.engines.base import ROLE_BOTH, ROLES
 from genmesh.engines.mock import MockConfig
 from genmesh.engines.zmq_events import ZmqEventsConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
@@ -32,6 +33,13 @@ class WorkerConfig:
         1.0,
         flag="--heartbeat-interval",
         help="seconds between announcements; routers drop a worker after 3 missed",
+    )
+    role: str = option(
+        ROLE_BOTH,
+        choices=ROLES,
+        help="prefill/decode disaggregation: 'prefill' runs only the prefill stages decode "
+        "workers send it, 'decode' runs requests and has their prefill done by a prefill "
+        "worker the router pairs it with, 'both' runs whole requests",
     )
     keepalive_interval_s: float = 5.0
     # How often the engine's health is checked (twice as often while it is down).

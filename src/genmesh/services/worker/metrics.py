@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from genmesh.engines.base import ROLE_PREFILL
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import counter_by_code, new_registry
 
@@ -88,6 +89,29 @@ class WorkerCollector(Collector):
             ENGINE_ERROR_CODES,
             worker.engine_errors,
         )
+        if worker.config.role == ROLE_PREFILL:
+            stages = CounterMetricFamily(
+                "genmesh_pd_stages",
+                "Prefill stages of disaggregated requests this prefill worker ran, by outcome",
+                labels=["outcome"],
+            )
+            for outcome in OUTCOMES:
+                stages.add_metric([outcome], worker.stage_stats[outcome])
+            yield stages
+        pd = worker.pd_decoder
+        if pd is not None:
+            yield pd.transfer_seconds.family(
+                "genmesh_pd_transfer_seconds",
+                "Disaggregated requests on this decode worker: seconds from the prefill "
+                "stage's result to the decode half's first output (the KV transfer, for "
+                "engines that pull the KV after the prefill)",
+            )
+            yield CounterMetricFamily(
+                "genmesh_pd_experts_omitted",
+                "Disaggregated requests whose routed experts were left out because a half "
+                "reported them incomplete",
+                value=pd.experts_omitted,
+            )
 
 
 def worker_registry(worker: Worker) -> CollectorRegistry:

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,25 +24,35 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.engines.base import Engine
+from genmesh.engines.base import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    Engine,
+    EngineOutput,
+    disaggregating,
+)
 from genmesh.engines.execute import execute
 from genmesh.services.worker import tracing as worker_tracing
 from genmesh.services.worker.admin import ABORTED, AdminHandlers, abort_end_frame
 from genmesh.services.worker.config import WorkerConfig
+from genmesh.services.worker.disagg import PdDecoder
 from genmesh.services.worker.kv_relay import KvRelay
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
+    PREFILL_HEADER,
     STREAM_TERMINATOR,
     check_subscriptions,
     codec_headers,
+    header,
     message_codec,
     on_publish_denied,
     publish,
     unsubscribe_quietly,
 )
 from genmesh.shared.endpoint import EnvelopeEndpoint, Request
-from genmesh.shared.envelope import Envelope, peek_id
+from genmesh.shared.envelope import Envelope, peek_id, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.kv_events import KV_EVENTS_CARD_KEY
@@ -78,6 +88,8 @@ class _Active:
     tokens: int = 0
     # An abort by client ID reached it (`services/worker/admin.py`).
     abort_requested: bool = False
+    # A decode worker's request: the prefill worker the router paired it with.
+    prefill_worker: str | None = None
 
 
 class Worker(Service):
@@ -109,9 +121,13 @@ class Worker(Service):
         # the endpoint's `rejections`.
         self.aborts = 0
         self.engine_errors: Counter[str] = Counter()
+        # A prefill worker's prefill stages, by outcome (they count in `stats` too).
+        self.stage_stats: Counter[str] = Counter()
         self.admin = AdminHandlers(self)
         # Relays the engine's KV cache events, if it publishes any (from start()).
         self.kv_relay: KvRelay | None = None
+        # A decode worker's: has the prefill stages of its requests run (from start()).
+        self.pd_decoder: PdDecoder | None = None
 
     @property
     def worker_id(self) -> str:
@@ -138,6 +154,12 @@ class Worker(Service):
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        pd = disaggregating(self.engine)
+        if self.config.role != ROLE_BOTH and pd is None:
+            raise ValueError(
+                f"the {self.engine.name} engine cannot take part in prefill/decode "
+                f"disaggregation (--role {self.config.role})"
+            )
         async with contextlib.AsyncExitStack() as stack:
             await self.engine.start()
             stack.push_async_callback(self.engine.close)
@@ -147,6 +169,12 @@ class Worker(Service):
                     "worker %s: waiting for its %s engine", self.worker_id, self.engine.name
                 )
             stack.push_async_callback(self._tasks.close)
+            if pd is not None and self.config.role != ROLE_BOTH:
+                await pd.pd_attach(self.nc, self.subjects, self.worker_id)
+            if pd is not None and self.config.role == ROLE_DECODE:
+                self.pd_decoder = PdDecoder(self.nc, self.subjects, pd)
+                await self.pd_decoder.start()
+                stack.push_async_callback(self.pd_decoder.close)
             on_publish_denied(self.nc, self._on_publish_denied)
             subs = []
             kv_events = self.engine.kv_events()
@@ -237,6 +265,10 @@ class Worker(Service):
             card["kv_blocks_total"] = kv.total_blocks
         if self.kv_relay is not None:
             card[KV_EVENTS_CARD_KEY] = True
+        card["role"] = self.config.role
+        pd = disaggregating(self.engine)
+        if pd is not None and self.config.role != ROLE_BOTH:
+            card["disagg"] = {"kind": pd.pd_kind, **pd.pd_card()}
         return card
 
     async def _announce(self) -> None:
@@ -317,7 +349,29 @@ class Worker(Service):
 
     # ----------------------------------------------------------------- requests
 
-    def _check_admission(self, envelope: Envelope) -> None:
+    def _check_role(self, envelope: Envelope, prefill_worker: str | None) -> None:
+        """Refuse what this worker's P/D role does not run (docs/disaggregation.md)."""
+        role = self.config.role
+        if envelope.disagg is not None and role != ROLE_PREFILL:
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"worker {self.worker_id} is not a prefill worker (role {role}); "
+                "it runs no prefill stages",
+            )
+        if envelope.disagg is None and role == ROLE_PREFILL:
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"worker {self.worker_id} is a prefill worker: it runs only the prefill "
+                "stages of disaggregated requests",
+            )
+        if prefill_worker is not None and role != ROLE_DECODE:
+            raise MeshError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"worker {self.worker_id} is not a decode worker (role {role}); "
+                f"it cannot pair with prefill worker {prefill_worker}",
+            )
+
+    def _check_admission(self, envelope: Envelope, prefill_worker: str | None = None) -> None:
         """Raise the MeshError that refuses `envelope`, if anything does (protocol.md §6.7,
         rows 5-10)."""
         rid = envelope.id
@@ -325,8 +379,11 @@ class Worker(Service):
             raise MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
         if not self._engine_up:
             raise MeshError(ErrorCode.UNAVAILABLE, f"the {self.engine.name} engine is down")
-        if rid in self._tombstones:
+        if rid in self._tombstones or (
+            envelope.disagg is not None and envelope.disagg.parent in self._tombstones
+        ):
             raise MeshError(ErrorCode.CANCELLED, "request was cancelled")
+        self._check_role(envelope, prefill_worker)
         if rid in self._active:
             raise MeshError(ErrorCode.INVALID_ARGUMENT, f"request id {rid} is already running")
         if len(self._active) >= self.config.max_concurrency:
@@ -341,11 +398,18 @@ class Worker(Service):
     async def _admit(self, request: Request) -> None:
         """Admit a request (or raise why not): `ack` at once, then run it in a task."""
         envelope = request.envelope
-        self._check_admission(envelope)
+        prefill_worker = header(request.msg, PREFILL_HEADER)
+        self._check_admission(envelope, prefill_worker)
         rid = envelope.id
         active = _Active(envelope, request.reply, request.codec, dispatch=new_request_id())
+        active.prefill_worker = prefill_worker
         active.span = worker_tracing.worker_span(
-            self.subject, envelope, self.worker_id, self.engine.name, active.dispatch
+            self.subject,
+            envelope,
+            self.worker_id,
+            self.engine.name,
+            active.dispatch,
+            prefill_worker,
         )
         self._active[rid] = active
         self.stats["admitted"] += 1
@@ -382,7 +446,7 @@ class Worker(Service):
             tracing.enter(active.span)  # the engine's client span is its child
         try:
             try:
-                async for last in execute(self.engine, active.envelope):
+                async for last in execute(active.envelope, self._generation(active)):
                     if not active.started:
                         active.started = True
                         # Queued -> running: routers that hold requests back for busy
@@ -420,8 +484,22 @@ class Worker(Service):
             self._active.pop(rid, None)
             self._load_changed.set()
             self.stats[_outcome(last)] += 1
+            if active.envelope.disagg is not None:
+                self.stage_stats[_outcome(last)] += 1
             if active.span is not None:
                 active.span.end(last)
+
+    def _generation(self, active: _Active) -> AsyncGenerator[EngineOutput, None]:
+        """The outputs of `active`: a prefill stage's, a disaggregated request's (decode
+        here, prefill by its paired worker), or a whole request's."""
+        envelope = active.envelope
+        if envelope.disagg is not None:
+            pd = disaggregating(self.engine)
+            assert pd is not None  # a prefill worker's engine is one (start() checked)
+            return pd.prefill(envelope, envelope.disagg.ticket)
+        if active.prefill_worker is not None and self.pd_decoder is not None:
+            return self.pd_decoder.generate(envelope, active.prefill_worker)
+        return self.engine.generate(envelope)
 
     def active_requests(self) -> list[_Active]:
         return list(self._active.values())
@@ -447,7 +525,8 @@ class Worker(Service):
         if rid is None:
             log.info("ignored cancel without an id")
             return
-        active = self._active.get(rid)
+        # A request's prefill stage is cancelled with it (its id is the parent's + "~p").
+        active = self._active.get(rid) or self._active.get(prefill_stage_id(rid))
         if active is not None:
             reason = obj.get("reason") if isinstance(obj, dict) else None
             message = f"request was cancelled ({reason})" if reason else "request was cancelled"

@@ -15,6 +15,8 @@ from genmesh.shared.tracing import (
     DISPATCH_ID,
     ENGINE,
     FORMAT,
+    PD_PREFILL_WORKER,
+    PD_ROLE,
     REQUEST_ID,
     WORKER,
     FrameSpan,
@@ -32,7 +34,12 @@ def _worker_attributes(subject: str, worker: str, engine: str) -> dict[str, Any]
 
 
 def worker_span(
-    subject: str, envelope: Envelope, worker: str, engine: str, dispatch: str
+    subject: str,
+    envelope: Envelope,
+    worker: str,
+    engine: str,
+    dispatch: str,
+    prefill_worker: str | None = None,
 ) -> FrameSpan | None:
     """A worker's span for a request it admitted, a child of the current context (the
     requester's, through `remote_parent`). Current in the request's task (`enter`)."""
@@ -44,6 +51,11 @@ def worker_span(
     attributes[DISPATCH_ID] = dispatch
     attributes[ATTEMPT] = attempt_of(envelope)
     attributes[FORMAT] = envelope.format
+    if envelope.disagg is not None:
+        attributes[PD_ROLE] = "prefill"
+    elif prefill_worker is not None:
+        attributes[PD_ROLE] = "decode"
+        attributes[PD_PREFILL_WORKER] = prefill_worker
     # Given at the start: the span's attributes are built (and checked) once.
     span = tracer.start_span(f"process {subject}", kind=SpanKind.CONSUMER, attributes=attributes)
     return FrameSpan(span)
