@@ -31,10 +31,13 @@ same prompts), `max_new_tokens` T with `ignore_eos`. Figures are over the measur
 requests: req/s, TTFT p50/p90 and end-to-end latency p50 (ms), and the CPU ms per request
 of every mesh process (psutil user+sys over the measured phase): genmesh's frontend,
 workers and nats-server; Dynamo's frontend, mockers and nats-server. (`genmesh up`
-itself, a supervisor that waits on its children, is not billed.) `halves` is what each
-Dynamo mocker's `dynamo_component_requests_total` counted over the measured phase:
-prefill/decode requests (prefill is `-` without P/D), proof that a P/D request really
-went through both. `pd/agg` rows divide each P/D figure by its aggregated one.
+itself, a supervisor that waits on its children, is not billed.) `halves` is what the
+engines' own metrics counted over the run, warm-up included: prefill/decode requests
+(decode: those of an aggregated system's engines too), the proof that every P/D request
+went through both halves (Dynamo: each mocker's `dynamo_component_requests_total` of its
+`generate` endpoint; genmesh: the prefill workers' `genmesh_pd_stages_total` and the
+other workers' `genmesh_worker_requests_total`, completed ones). A run whose halves do not
+add up is flagged on stderr. `pd/agg` rows divide each P/D figure by its aggregated one.
 
 Prints one table (progress on stderr); `--out FILE` also writes one JSON line per system
 and run (a skipped system: one line saying why), each with kv_workload's whole result.
@@ -44,11 +47,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
-import re
 import shlex
 import socket
 import subprocess
@@ -62,6 +65,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench_generate import loadavg, run_benchmark, say
 from genmesh.shared.settings import parse
@@ -71,6 +75,9 @@ from genmesh.up.config import UpConfig
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE.parent.parent / "shared" / "peers" / "kv_workload.py"
 READY_TIMEOUT_S = 120.0
+# The engines count a request once its stream has ended, which the client may see first.
+COUNTERS_SETTLE_S = 0.5
+GENMESH_WORKERS = 2  # aggregated: 2; P/D: 1 prefill + 1 decode
 DYNAMO_MODEL = "tiny"  # the peers' weight-less model dir, served under this name
 SYSTEMS = ("genmesh-agg", "genmesh-pd", "dynamo-agg", "dynamo-pd", "dynamo-pd-bootstrap")
 DEFAULT_SYSTEMS = "genmesh-agg,genmesh-pd,dynamo-agg,dynamo-pd"
@@ -84,7 +91,7 @@ class Target:
     url: str
     model: str  # the body's "model" ("" = none: genmesh serves one model and wants none)
     cpu: dict[str, list[int]]  # process group -> pids, billed over the measured phase
-    metrics_ports: list[int] = field(default_factory=list)  # Dynamo mockers' /metrics
+    metrics: list[str] = field(default_factory=list)  # the engines' Prometheus endpoints
 
 
 class Skipped(Exception):
@@ -114,66 +121,72 @@ def genmesh_role(cmdline: list[str]) -> str | None:
     return None
 
 
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+def served_halves(text: str) -> dict[str, int]:
+    """Requests the prefill and the decode (or aggregated) half have served so far, by an
+    engine's Prometheus text. Dynamo's mocker counts the requests of its `generate`
+    endpoint, component "prefill" for a prefill mocker, "backend" otherwise. A genmesh
+    worker counts its completed requests, a prefill worker its prefill stages too (which
+    its requests include)."""
+    halves = {"prefill": 0, "decode": 0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels, value = sample.labels, round(sample.value)
+            if sample.name == "dynamo_component_requests_total":
+                if labels.get("dynamo_endpoint") == "generate":
+                    half = "prefill" if labels.get("dynamo_component") == "prefill" else "decode"
+                    halves[half] += value
+            elif labels.get("outcome") == "completed":
+                if sample.name == "genmesh_pd_stages_total":
+                    halves["prefill"] += value
+                    halves["decode"] -= value
+                elif sample.name == "genmesh_worker_requests_total":
+                    halves["decode"] += value
+    return halves
 
 
-def component_requests(metrics_delta: dict[str, dict[str, float]]) -> dict[str, int]:
-    """Requests each Dynamo component served over the measured phase, from kv_workload's
-    `metrics_delta` (per scrape: Prometheus series -> increase): the mockers'
-    `dynamo_component_requests_total` of their `generate` endpoint, summed per
-    `dynamo_component` ("prefill" for a prefill mocker, "backend" for a decode or
-    aggregated one)."""
-    served: dict[str, int] = {}
-    for series in metrics_delta.values():
-        for key, delta in series.items():
-            name, _, labels = key.partition("{")
-            if name != "dynamo_component_requests_total":
-                continue
-            tags = dict(_LABEL.findall(labels))
-            if tags.get("dynamo_endpoint") != "generate":
-                continue
-            component = tags.get("dynamo_component", "?")
-            served[component] = served.get(component, 0) + round(delta)
-    return served
-
-
-def make_row(system: str, prompt: int, conc: int, result: dict[str, Any]) -> dict[str, Any]:
-    """One table row (and JSON line) from kv_workload's result: CPU per group and total,
-    and the halves that served the measured requests."""
+def make_row(
+    system: str, prompt: int, conc: int, result: dict[str, Any], halves: dict[str, int] | None
+) -> dict[str, Any]:
+    """One table row (and JSON line) from kv_workload's result, with CPU per group and in
+    total, and the requests each half served over the run (None: not counted)."""
     cpu = {
         key[len("cpu_") : -len("_ms_per_req")]: value
         for key, value in result.items()
         if key.startswith("cpu_") and key.endswith("_ms_per_req")
     }
-    halves = component_requests(result.get("metrics_delta", {}))
     return {
         "system": system,
         "prompt_tokens": prompt,
         "concurrency": conc,
         "output_tokens": result["maxtok"],
         "requests": result["n"],
+        "warmup": result["warmup"],
         "ok": result["ok"],
         "errors": result["errors"],
         "rps": result["rps"],
         "ttft_ms": result["ttft_ms"],
         "e2e_ms": result["e2e_ms"],
         "cpu_ms_per_req": {"total": round(sum(cpu.values()), 3), **cpu},
-        "halves": {"prefill": halves.get("prefill"), "decode": halves.get("backend")}
-        if halves
-        else None,
+        "halves": halves,
         "workload": result,
     }
 
 
 def pd_check(row: dict[str, Any]) -> str | None:
-    """Why a Dynamo P/D row's requests did not all go through both halves, or None."""
+    """Why a run's requests did not go the way its system routes them, or None: a P/D
+    system's each through both halves, an aggregated one's none through a prefill."""
     halves = row["halves"]
-    if not row["system"].startswith("dynamo-pd") or halves is None:
+    if halves is None:
         return None
-    for half in ("prefill", "decode"):
-        if (halves[half] or 0) < row["ok"]:
-            return f"{row['system']}: {halves[half] or 0} of {row['ok']} requests hit {half}"
-    return None
+    sent = row["requests"] + row["warmup"]
+    prefill = sent if "-pd" in row["system"] else 0
+    if (halves["prefill"], halves["decode"]) == (prefill, sent):
+        return None
+    return (
+        f"{row['system']} p{row['prompt_tokens']} c{row['concurrency']}: {sent} requests "
+        f"sent, {halves['prefill']} prefill and {halves['decode']} decode served "
+        f"(expected {prefill} and {sent})"
+    )
 
 
 def _ratio(pd: float | None, agg: float | None) -> float | None:
@@ -230,12 +243,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         for r in (r for r in rows if (r["prompt_tokens"], r["concurrency"]) == (prompt, conc)):
             cpu = r["cpu_ms_per_req"]
             halves = r["halves"]
-            served = (
-                "-"
-                if halves is None
-                else f"{halves['prefill'] if halves['prefill'] is not None else '-'}"
-                f"/{halves['decode'] if halves['decode'] is not None else '-'}"
-            )
+            served = "-" if halves is None else f"{halves['prefill']}/{halves['decode']}"
             lines.append(
                 f"{lead}  {r['system']:<24} {r['rps']:>6.1f} {r['ttft_ms']['p50']:>8.1f} "
                 f"{r['ttft_ms']['p90']:>7.1f} {r['e2e_ms']['p50']:>7.1f} "
@@ -278,12 +286,15 @@ def start_genmesh(args: argparse.Namespace, system: str, procs: Supervisor) -> T
             )
         shape = ["--prefill-workers", "1", "--decode-workers", "1"]
     port = free_port()
+    # `up` gives its workers (no routers) one metrics port each, counting up from this.
+    metrics_port = free_ports(GENMESH_WORKERS)[0]
     nats_url = procs.start_nats()
     up = parse(
         UpConfig,
         [
             *shape, "--routers", "0", "--mock-speedup", f"{args.speedup:g}",
-            "--port", str(port), "--nats-url", nats_url, *shlex.split(args.up_args),
+            "--port", str(port), "--nats-url", nats_url, "--metrics-port", str(metrics_port),
+            *shlex.split(args.up_args),
         ],
         environ={},
     )  # fmt: skip
@@ -297,7 +308,8 @@ def start_genmesh(args: argparse.Namespace, system: str, procs: Supervisor) -> T
     for proc in psutil.Process(child.pid).children():
         role = genmesh_role(proc.cmdline())
         groups["frontend" if role == "frontend" else "engines"].append(proc.pid)
-    return Target(system, url, "", groups)
+    metrics = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(GENMESH_WORKERS)]
+    return Target(system, url, "", groups, metrics)
 
 
 def dynamo_env(peers_run: Path, nats_url: str) -> dict[str, str]:
@@ -362,11 +374,10 @@ def start_dynamo(args: argparse.Namespace, system: str, procs: Supervisor, workd
     env = dynamo_env(workdir, nats_url)
     port = free_port()
     mockers, frontend = dynamo_commands(str(python), model, system, args.speedup, port, free_port())
-    metrics_ports = []
+    metrics_ports = free_ports(len(mockers))
     engines = []
     for i, argv in enumerate(mockers):
-        metrics_ports.append(free_system_port())
-        system_env = {"DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(metrics_ports[-1])}
+        system_env = {"DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(metrics_ports[i])}
         engines.append(procs.spawn("worker", f"mocker{i + 1}", argv, env=env | system_env))
     fe = procs.spawn("frontend", "frontend", frontend, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -374,7 +385,8 @@ def start_dynamo(args: argparse.Namespace, system: str, procs: Supervisor, workd
     asyncio.run(first_generate(url, DYNAMO_MODEL, procs.check_alive))
     if system != "dynamo-agg":
         # The frontend routes without P/D until it has seen the prefill mocker register.
-        asyncio.run(wait_prefill_serving(url, metrics_ports[0], procs.check_alive))
+        prefill_metrics = f"http://127.0.0.1:{metrics_ports[0]}/metrics"
+        asyncio.run(wait_prefill_serving(url, prefill_metrics, procs.check_alive))
     assert procs.nats is not None
     assert procs.nats.pid is not None
     groups = {
@@ -382,21 +394,23 @@ def start_dynamo(args: argparse.Namespace, system: str, procs: Supervisor, workd
         "engines": [e.pid for e in engines],
         "nats": [procs.nats.pid],
     }
-    return Target(system, url, DYNAMO_MODEL, groups, metrics_ports)
+    metrics = [f"http://127.0.0.1:{p}/metrics" for p in metrics_ports]
+    return Target(system, url, DYNAMO_MODEL, groups, metrics)
 
 
-def free_system_port() -> int:
-    """A free port for a mocker's metrics server: Dynamo 1.6.1 reads DYN_SYSTEM_PORT as
-    an i16 and refuses to start on 32768 or above, where the kernel's ephemeral ports
-    (`free_port`) lie."""
-    for port in random.sample(range(20000, 32768), 200):
-        with socket.socket() as s:
+def free_ports(count: int) -> list[int]:
+    """`count` consecutive ports on 127.0.0.1, free a moment ago, below 32768: `up` numbers
+    its workers' metrics ports from one, and Dynamo 1.6.1 reads DYN_SYSTEM_PORT as an i16
+    (it refuses to start on a kernel-chosen ephemeral port, 32768 and up)."""
+    for base in random.sample(range(20000, 32768 - count), 200):
+        with contextlib.ExitStack() as held:
             try:
-                s.bind(("127.0.0.1", port))
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError("no free port below 32768")
+            return list(range(base, base + count))
+    raise RuntimeError(f"no {count} free consecutive ports below 32768")
 
 
 async def first_generate(url: str, model: str, check_alive: Callable[[], None]) -> None:
@@ -423,26 +437,28 @@ async def first_generate(url: str, model: str, check_alive: Callable[[], None]) 
 
 
 async def wait_prefill_serving(
-    url: str, prefill_metrics_port: int, check_alive: Callable[[], None]
+    url: str, prefill_metrics: str, check_alive: Callable[[], None]
 ) -> None:
     """Send requests until the prefill mocker has served one."""
-    metrics = f"http://127.0.0.1:{prefill_metrics_port}/metrics"
     deadline = time.monotonic() + READY_TIMEOUT_S
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            await first_generate(url, DYNAMO_MODEL, check_alive)
-            async with session.get(metrics) as reply:
-                text = await reply.text()
-            served = component_requests(
-                {"prefill": {m.group(1): float(m.group(2)) for m in _SERIES.finditer(text)}}
-            )
-            if served.get("prefill"):
-                return
-            await asyncio.sleep(0.25)
+    while time.monotonic() < deadline:
+        await first_generate(url, DYNAMO_MODEL, check_alive)
+        if (await scrape_halves([prefill_metrics]))["prefill"]:
+            return
+        await asyncio.sleep(0.25)
     raise RuntimeError("the Dynamo prefill mocker served no request")
 
 
-_SERIES = re.compile(r"^(dynamo_component_requests_total\{[^}]*\})\s+(\S+)$", re.M)
+async def scrape_halves(urls: list[str]) -> dict[str, int]:
+    """`served_halves` summed over the engines' metrics endpoints."""
+    total = {"prefill": 0, "decode": 0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for url in urls:
+            async with session.get(url) as reply:
+                reply.raise_for_status()
+                for half, served in served_halves(await reply.text()).items():
+                    total[half] += served
+    return total
 
 
 # ----------------------------------------------------------------- running
@@ -450,8 +466,9 @@ _SERIES = re.compile(r"^(dynamo_component_requests_total\{[^}]*\})\s+(\S+)$", re
 
 def measure(
     args: argparse.Namespace, target: Target, prompt: int, conc: int, seed: int, out: Path
-) -> dict[str, Any]:
-    """One kv_workload.py run against `target`: its result (the last line it appends)."""
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """One kv_workload.py run against `target`: its result (the last line it appends),
+    and the requests each half served meanwhile."""
     command = [
         sys.executable, str(args.workload), "--url", target.url, "--model", target.model,
         "--groups", "1", "--prefix-len", "0", "--suffix-len", str(prompt),
@@ -461,12 +478,13 @@ def measure(
     ]  # fmt: skip
     for group, pids in target.cpu.items():
         command += ["--cpu", f"{group}={','.join(map(str, pids))}"]
-    if target.metrics_ports:
-        command += ["--mocker-metrics-ports", ",".join(map(str, target.metrics_ports))]
     say(f"{target.system}: prompt {prompt}, c={conc}")
+    before = asyncio.run(scrape_halves(target.metrics))
     subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+    time.sleep(COUNTERS_SETTLE_S)
+    after = asyncio.run(scrape_halves(target.metrics))
     result: dict[str, Any] = json.loads(out.read_text().splitlines()[-1])
-    return result
+    return result, {half: after[half] - before[half] for half in after}
 
 
 def run_system(
@@ -488,9 +506,9 @@ def run_system(
         else:
             target = start_dynamo(args, system, procs, logdir)
         for prompt, conc, seed in run_plan(args.prompt_tokens, args.concurrency, args.seed):
-            result = measure(args, target, prompt, conc, seed, logdir / "results.jsonl")
+            result, halves = measure(args, target, prompt, conc, seed, logdir / "results.jsonl")
             procs.check_alive()
-            row = make_row(system, prompt, conc, result)
+            row = make_row(system, prompt, conc, result, halves)
             problem = pd_check(row)
             if problem:
                 say(f"WARNING {problem}")
@@ -564,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             "ms; cpu/req = CPU ms per request of all mesh processes: fe = frontend, eng = "
-            "workers or mockers, nats; halves = requests the prefill/decode mockers served; "
+            "workers or mockers, nats; halves = requests the prefill/decode halves served; "
             "pd/agg = P/D over aggregated"
         )
         print()

@@ -1,5 +1,5 @@
-"""benchmarks/bench_pd.py's own logic: the run plan, billing processes, reading Dynamo's
-per-half request counters, rows, P/D over aggregated ratios, the table and its options.
+"""benchmarks/bench_pd.py's own logic: the run plan, billing processes, reading the
+engines' per-half request counters, rows, P/D over aggregated ratios, the table and its options.
 (The benchmark itself runs the systems; it prints figures and asserts nothing.)"""
 
 from __future__ import annotations
@@ -17,22 +17,49 @@ import bench_pd
 
 pytestmark = pytest.mark.unit
 
-# What kv_workload.py's `metrics_delta` held for 16 requests through Dynamo 1.6.1's P/D
-# (mocker1 the prefill mocker, mocker2 the decode one), with a series of another endpoint
-# and a non-counter added.
-PD_DELTA = {
-    "mocker1": {
-        'dynamo_component_requests_total{dynamo_component="prefill",dynamo_endpoint="generate",'
-        'dynamo_namespace="dynamo",worker_id="1173a84d53e58a8b"}': 16.0,
-        'dynamo_component_requests_total{dynamo_component="prefill",dynamo_endpoint='
-        '"worker_kv_query_source_76a146fe606c1",dynamo_namespace="dynamo",worker_id="9a5"}': 3.0,
-    },
-    "mocker2": {
-        'dynamo_component_requests_total{dynamo_component="backend",dynamo_endpoint="generate",'
-        'dynamo_namespace="dynamo",worker_id="eb64e4622b7896f0"}': 16.0,
-        'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"}': 16.0,
-    },
-}
+# Excerpts of what Dynamo 1.6.1's mockers answered on /metrics after 27 requests through
+# its P/D (a prefill mocker, then a decode one), and of genmesh workers' answers
+# (services/worker/metrics.py): an aggregated worker, a prefill and a decode worker.
+DYNAMO_PREFILL = """\
+# HELP dynamo_component_requests_total Total number of requests processed by work handler
+# TYPE dynamo_component_requests_total counter
+dynamo_component_requests_total{dynamo_component="prefill",dynamo_endpoint="generate",\
+dynamo_namespace="dynamo",worker_id="3a492f53b41e72cf"} 27
+dynamo_component_requests_total{dynamo_component="prefill",dynamo_endpoint=\
+"worker_kv_query_source_116544454f97e0",dynamo_namespace="dynamo",worker_id="3a492f53b41e72cf"} 3
+# HELP dynamo_component_uptime_seconds Total uptime of the DistributedRuntime in seconds
+# TYPE dynamo_component_uptime_seconds gauge
+dynamo_component_uptime_seconds{worker_id="3a492f53b41e72cf"} 10.154203633
+"""
+DYNAMO_DECODE = """\
+# HELP dynamo_component_requests_total Total number of requests processed by work handler
+# TYPE dynamo_component_requests_total counter
+dynamo_component_requests_total{dynamo_component="backend",dynamo_endpoint="generate",\
+dynamo_namespace="dynamo",worker_id="7d6146f888b5d7e2"} 27
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",model_name="tiny",le="+Inf"} 27
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 27
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.17
+"""
+GENMESH_REQUESTS = """\
+# HELP genmesh_worker_requests_total Requests by outcome
+# TYPE genmesh_worker_requests_total counter
+genmesh_worker_requests_total{{outcome="completed"}} {completed}
+genmesh_worker_requests_total{{outcome="cancelled"}} 2.0
+genmesh_worker_requests_total{{outcome="failed"}} 1.0
+genmesh_worker_requests_total{{outcome="rejected"}} 0.0
+# HELP genmesh_worker_aborts_total Engine requests stopped before they ended
+# TYPE genmesh_worker_aborts_total counter
+genmesh_worker_aborts_total 2.0
+"""
+GENMESH_STAGES = """\
+# HELP genmesh_pd_stages_total Prefill stages of disaggregated requests
+# TYPE genmesh_pd_stages_total counter
+genmesh_pd_stages_total{{outcome="completed"}} {completed}
+genmesh_pd_stages_total{{outcome="cancelled"}} 0.0
+genmesh_pd_stages_total{{outcome="failed"}} 4.0
+"""
 
 
 def workload_result(**changes: Any) -> dict[str, Any]:
@@ -49,7 +76,7 @@ def workload_result(**changes: Any) -> dict[str, Any]:
         "cpu_frontend_ms_per_req": 10.625,
         "cpu_engines_ms_per_req": 16.875,
         "cpu_nats_ms_per_req": 5.0,
-        "metrics_delta": PD_DELTA,
+        "warmup": 4,
     }
     return result | changes
 
@@ -69,42 +96,60 @@ def test_genmesh_processes_are_told_apart_by_their_command() -> None:
     assert bench_pd.genmesh_role(["/usr/bin/nats-server", "-m", "0"]) is None
 
 
-def test_requests_per_half_count_only_the_generate_endpoint() -> None:
-    assert bench_pd.component_requests(PD_DELTA) == {"prefill": 16, "backend": 16}
-    assert bench_pd.component_requests({}) == {}
+def test_dynamo_mockers_count_their_half_on_the_generate_endpoint() -> None:
+    assert bench_pd.served_halves(DYNAMO_PREFILL) == {"prefill": 27, "decode": 0}
+    assert bench_pd.served_halves(DYNAMO_DECODE) == {"prefill": 0, "decode": 27}
+
+
+def test_genmesh_prefill_stages_are_not_counted_as_decode_requests() -> None:
+    prefill_worker = GENMESH_REQUESTS.format(completed=27.0) + GENMESH_STAGES.format(completed=27.0)
+    assert bench_pd.served_halves(prefill_worker) == {"prefill": 27, "decode": 0}
+    decode_worker = GENMESH_REQUESTS.format(completed=27.0)
+    assert bench_pd.served_halves(decode_worker) == {"prefill": 0, "decode": 27}
+    assert bench_pd.served_halves("") == {"prefill": 0, "decode": 0}
+
+
+HALVES = {"prefill": 20, "decode": 20}
 
 
 def test_a_row_totals_the_cpu_of_every_mesh_process_group() -> None:
-    row = bench_pd.make_row("dynamo-pd", 256, 1, workload_result())
+    row = bench_pd.make_row("dynamo-pd", 256, 1, workload_result(), HALVES)
     assert row["cpu_ms_per_req"] == {
         "total": 32.5,
         "frontend": 10.625,
         "engines": 16.875,
         "nats": 5.0,
     }
-    assert row["halves"] == {"prefill": 16, "decode": 16}
+    assert row["halves"] == HALVES
     assert (row["system"], row["prompt_tokens"], row["concurrency"]) == ("dynamo-pd", 256, 1)
     assert (row["output_tokens"], row["ok"], row["rps"]) == (32, 16, 4.77)
 
 
-def test_a_row_without_dynamo_counters_has_no_halves() -> None:
-    row = bench_pd.make_row("genmesh-agg", 256, 1, workload_result(metrics_delta={}))
-    assert row["halves"] is None
-    assert bench_pd.pd_check(row) is None
+def test_a_row_whose_halves_add_up_passes_the_check() -> None:
+    pd = bench_pd.make_row("dynamo-pd", 256, 1, workload_result(), HALVES)
+    assert bench_pd.pd_check(pd) is None
+    agg = bench_pd.make_row("genmesh-agg", 256, 8, workload_result(), {"prefill": 0, "decode": 20})
+    assert bench_pd.pd_check(agg) is None
+    uncounted = bench_pd.make_row("genmesh-agg", 256, 1, workload_result(), None)
+    assert bench_pd.pd_check(uncounted) is None
 
 
 def test_a_pd_run_that_skipped_a_half_is_reported() -> None:
-    delta = {"mocker2": PD_DELTA["mocker2"]}
-    row = bench_pd.make_row("dynamo-pd", 256, 1, workload_result(metrics_delta=delta))
-    assert row["halves"] == {"prefill": None, "decode": 16}
-    assert bench_pd.pd_check(row) == "dynamo-pd: 0 of 16 requests hit prefill"
-    short = dict(PD_DELTA["mocker1"])
-    short[next(iter(short))] = 12.0
-    row = bench_pd.make_row(
-        "dynamo-pd-bootstrap", 256, 1, workload_result(metrics_delta=PD_DELTA | {"mocker1": short})
+    row = bench_pd.make_row("genmesh-pd", 256, 1, workload_result(), {"prefill": 0, "decode": 20})
+    assert bench_pd.pd_check(row) == (
+        "genmesh-pd p256 c1: 20 requests sent, 0 prefill and 20 decode served (expected 20 and 20)"
     )
-    assert bench_pd.pd_check(row) == "dynamo-pd-bootstrap: 12 of 16 requests hit prefill"
-    assert bench_pd.pd_check(bench_pd.make_row("dynamo-pd", 256, 1, workload_result())) is None
+    row = bench_pd.make_row(
+        "dynamo-pd-bootstrap", 1024, 8, workload_result(), {"prefill": 20, "decode": 17}
+    )
+    assert bench_pd.pd_check(row) == (
+        "dynamo-pd-bootstrap p1024 c8: 20 requests sent, 20 prefill and 17 decode served "
+        "(expected 20 and 20)"
+    )
+    row = bench_pd.make_row("dynamo-agg", 256, 1, workload_result(), {"prefill": 1, "decode": 20})
+    assert bench_pd.pd_check(row) == (
+        "dynamo-agg p256 c1: 20 requests sent, 1 prefill and 20 decode served (expected 0 and 20)"
+    )
 
 
 def agg_and_pd() -> list[dict[str, Any]]:
@@ -120,20 +165,22 @@ def agg_and_pd() -> list[dict[str, Any]]:
             cpu_engines_ms_per_req=8.0,
             cpu_nats_ms_per_req=4.0,
         ),
+        {"prefill": 0, "decode": 20},
     )
     pd = bench_pd.make_row(
         "dynamo-pd",
         256,
         1,
         workload_result(rps=4.0, ttft_ms={"p50": 30.0, "p90": 50.0}, e2e_ms={"p50": 210.0}),
+        HALVES,
     )
     return [agg, pd]
 
 
 def test_pd_figures_are_divided_by_the_same_familys_aggregated_run() -> None:
     rows = agg_and_pd()
-    genmesh_alone = bench_pd.make_row("genmesh-pd", 256, 1, workload_result())
-    other_run = bench_pd.make_row("dynamo-pd", 1024, 1, workload_result())
+    genmesh_alone = bench_pd.make_row("genmesh-pd", 256, 1, workload_result(), HALVES)
+    other_run = bench_pd.make_row("dynamo-pd", 1024, 1, workload_result(), HALVES)
     [ratio] = bench_pd.pd_ratios([*rows, genmesh_alone, other_run])
     assert ratio == {
         "system": "dynamo-pd/agg",
@@ -165,7 +212,7 @@ def test_the_table_shows_each_run_its_rows_and_ratios() -> None:
     ]  # fmt: skip
     assert lines[1].split() == [
         "256", "1", "dynamo-agg", "5.0", "20.0", "25.0", "200.0", "20.00", "8.00", "8.00",
-        "4.00", "16/16", "0",
+        "4.00", "0/20", "0",
     ]  # fmt: skip
     assert lines[2].split()[:4] == ["dynamo-pd", "4.0", "30.0", "50.0"]
     assert lines[3].split() == ["dynamo-pd/agg", "0.80x", "1.50x", "2.00x", "1.05x", "1.62x"]
@@ -192,11 +239,14 @@ def test_dynamo_pd_runs_one_mocker_per_half() -> None:
     assert not any("--disaggregation-mode" in m for m in mockers)
 
 
-def test_a_mockers_metrics_port_is_free_and_fits_an_i16() -> None:
-    port = bench_pd.free_system_port()
-    assert 20000 <= port < 32768
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+def test_metrics_ports_are_free_consecutive_and_fit_an_i16() -> None:
+    ports = bench_pd.free_ports(3)
+    assert ports == list(range(ports[0], ports[0] + 3))
+    assert ports[0] >= 20000
+    assert ports[-1] < 32768
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_unknown_systems_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
