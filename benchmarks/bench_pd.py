@@ -31,7 +31,8 @@ same prompts), `max_new_tokens` T with `ignore_eos`. Figures are over the measur
 requests: req/s, TTFT p50/p90 and end-to-end latency p50 (ms), and the CPU ms per request
 of every mesh process (psutil user+sys over the measured phase): genmesh's frontend,
 workers and nats-server; Dynamo's frontend, mockers and nats-server. (`genmesh up`
-itself, a supervisor that waits on its children, is not billed.) `halves` is what the
+itself, a supervisor that waits on its children, about 0.1 ms per request, is not
+billed.) `halves` is what the
 engines' own metrics counted over the run, warm-up included: prefill/decode requests
 (decode: those of an aggregated system's engines too), the proof that every P/D request
 went through both halves (Dynamo: each mocker's `dynamo_component_requests_total` of its
@@ -532,22 +533,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"of {', '.join(SYSTEMS)}")
-    p.add_argument("--prompt-tokens", type=int_list, default=[256, 1024, 4096])
-    p.add_argument("--concurrency", type=int_list, default=[1, 8])
-    p.add_argument("--output-tokens", type=int, default=32, help="max_new_tokens, ignore_eos")
-    p.add_argument("--requests", type=int, default=64, help="measured requests per run")
-    p.add_argument("--warmup", type=int, default=8, help="warm-up requests per run")
+    p.add_argument(
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, in order, of: {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS})",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int_list,
+        default=[256, 1024, 4096],
+        help="prompt lengths, comma-separated: a run each (default: 256,1024,4096)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=[1, 8],
+        help="closed-loop clients, comma-separated: a run each (default: 1,8)",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=32,
+        help="max_new_tokens, with ignore_eos (default: 32)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=64, help="measured requests per run (default: 64)"
+    )
+    p.add_argument("--warmup", type=int, default=8, help="warm-up requests per run (default: 8)")
     p.add_argument("--seed", type=int, default=1, help="first run's workload seed")
     p.add_argument(
         "--speedup", type=float, default=1.0,
         help="genmesh's --mock-speedup and the mocker's --speedup-ratio (1 = real time)",
     )  # fmt: skip
     p.add_argument("--up-args", default="", help="more `genmesh up` options (both genmesh rows)")
-    p.add_argument("--peers", type=Path, default=Path(os.environ.get("PEERS", "/tmp/peers")))
+    p.add_argument(
+        "--peers",
+        type=Path,
+        default=Path(os.environ.get("PEERS", "/tmp/peers")),
+        help="Dynamo's install: venv/ and tiny-model/ (default: $PEERS or /tmp/peers)",
+    )
     p.add_argument("--workload", type=Path, default=WORKLOAD, help="path to kv_workload.py")
     p.add_argument("--out", help="also write one JSON line per system and run here")
-    p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep every process's log (always kept when the benchmark fails)",
+    )
     args = p.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     unknown = set(args.systems) - set(SYSTEMS)
