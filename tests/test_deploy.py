@@ -185,8 +185,8 @@ def test_every_command_and_variable_in_the_compose_file_exists_in_the_cli() -> N
             if arg.startswith("--"):
                 flag = "GENMESH_" + arg[2:].split("=")[0].replace("-", "_").upper()
                 assert flag in commands[command[0]], f"{name}: unknown option {arg}"
-        # Each role logs in as itself, with its own password.
-        role = command[0]
+        # Each role logs in as itself, with its own password (a decode worker as `decode`).
+        role = "decode" if env.get("GENMESH_ROLE") == "decode" else command[0]
         assert env["GENMESH_NATS_USER"] == role, name
         assert f"NATS_{role.upper()}_PASSWORD" in env["GENMESH_NATS_PASSWORD"], name
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
@@ -205,6 +205,10 @@ def test_the_compose_file_has_what_the_deployment_needs() -> None:
     assert by_profile["sglang"] == {"worker-sglang"}
     assert by_profile["vllm"] == {"worker-vllm"}
     assert by_profile["cluster"] == {"nats-2", "nats-3"}
+    assert by_profile["pd"] == {"worker-prefill", "worker-decode"}
+    for name, role in (("worker-prefill", "prefill"), ("worker-decode", "decode")):
+        env = services[name]["environment"]
+        assert (env["GENMESH_ENGINE"], env["GENMESH_ROLE"]) == ("mock", role), name
     for name in ("worker-sglang", "worker-vllm"):
         env = services[name]["environment"]
         assert env["GENMESH_ENGINE"] in name
@@ -460,6 +464,37 @@ MATRIX: list[Rule] = [
     Rule("worker", "pub", "genmesh.{ns}.abort", False, "cannot abort others' requests"),
     Rule(
         "worker", "pub", "_INBOX_frontend.f1.0", False,
+        "replies only to requests it received (allow_responses)",
+    ),
+    Rule("worker", "sub", W + ".kv_pull", True, "KV pulls of its handles (the mock's P/D)"),
+    Rule("worker", "pub", W + ".kv_pull", False, "only a decode worker pulls KV"),
+    Rule(
+        "worker", "sub", "_INBOX_decode.>", False, "a decode worker's inbox",
+        sample="_INBOX_decode.d.0",
+    ),
+    # decode: a decode worker (--role decode), which has prefill stages run elsewhere
+    Rule("decode", "sub", W + ".generate", True, "its requests"),
+    Rule("decode", "pub", "genmesh.{ns}.worker.w2.generate", True, "prefill stages"),
+    Rule("decode", "pub", W + ".ping", True, "is its prefill worker alive?"),
+    Rule("decode", "pub", "genmesh.{ns}.cancel", True, "stop a stage it no longer needs"),
+    Rule("decode", "pub", W + ".kv_pull", True, "the mock's KV transfer"),
+    Rule(
+        "decode", "sub", "genmesh.{ns}.discovery.>", True, "the prefill workers' cards",
+        sample="genmesh.{ns}.discovery.announce",
+    ),
+    Rule(
+        "decode", "sub", "_INBOX_decode.>", True, "its stages' frames",
+        sample="_INBOX_decode.d.0",
+    ),
+    Rule("decode", "pub", "genmesh.{ns}.router.generate", False, "not a client of the routers"),
+    Rule("decode", "pub", "genmesh.{ns}.abort", False, "cannot abort others' requests"),
+    Rule("decode", "pub", "genmesh.{ns}.discovery.router", False, "cannot pose as a router"),
+    Rule(
+        "decode", "sub", "_INBOX_frontend.>", False, "a requester's inbox",
+        sample="_INBOX_frontend.f1.0",
+    ),
+    Rule(
+        "decode", "pub", "_INBOX_frontend.f1.0", False,
         "replies only to requests it received (allow_responses)",
     ),
     # admin: operators' tools

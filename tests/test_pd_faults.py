@@ -14,8 +14,10 @@ Each test counts the requests it lost (target 0) and prints them (`pytest -s`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,7 @@ def attempts(mesh: Mesh) -> list[tuple[str, int, str, int]]:
 def sglang_body(prompt_len: int, max_new_tokens: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     return {
+        "rid": f"pd-fault-{uuid.uuid4().hex}",  # answers echo it: the same in both runs
         "input_ids": [rng.randrange(VOCAB) for _ in range(prompt_len)],
         "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
         "return_logprob": True,
@@ -155,6 +158,7 @@ async def test_a_dead_decode_worker_migrates_to_a_new_pair(
     else:
         rng = random.Random(3)
         body = {
+            "request_id": f"pd-fault-{uuid.uuid4().hex}",
             "token_ids": [rng.randrange(VOCAB) for _ in range(200)],
             "sampling_params": {"max_tokens": 40, "ignore_eos": True, "logprobs": 1},
         }
@@ -190,10 +194,13 @@ async def test_a_client_cancel_reaches_both_halves(cancel_mesh: Mesh) -> None:
     mesh = cancel_mesh
     body = {**sglang_body(1000, 8, seed=4), "stream": True}
     async with aiohttp.ClientSession() as session:
-        response = await session.post(mesh.http_url + "/generate", json=body)
-        assert response.status == 200
+        # The response's head comes with the first output, after the prefill: the client
+        # goes away while it waits for it.
+        waiting = asyncio.create_task(session.post(mesh.http_url + "/generate", json=body))
         prefill = await busy_worker(mesh, "prefill")
-        response.close()  # the client goes away during the prefill
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
 
     def stopped() -> bool:
         now = cards(mesh)

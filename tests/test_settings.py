@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from genmesh.records.config import (
     TraceReplayConfig,
     config_from_env,
 )
+from genmesh.routing.pairing import PdConfig
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.router.config import RouterConfig
 from genmesh.services.worker.config import WorkerConfig, WorkerProcessConfig
@@ -39,6 +41,7 @@ from genmesh.shared.settings import (
 )
 from genmesh.testkit.config import MockServerConfig, TestkitConfig
 from genmesh.up.config import UpConfig
+from genmesh.up.run import frontend_configs, worker_configs
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +63,11 @@ EXAMPLES: dict[str, Any] = {
         records=RecordsConfig("/tmp/t.jsonl.gz", payload=True, nats=True, roll_lines=9),
     ),
     "router": RouterConfig(
-        mesh=MESH, router_id="r-1", policy="least_loaded", metrics=MetricsConfig(9101, "0.0.0.0")
+        mesh=MESH,
+        router_id="r-1",
+        policy="least_loaded",
+        pd=PdConfig(local_prefill_tokens=64),
+        metrics=MetricsConfig(9101, "0.0.0.0"),
     ),
     "worker": WorkerProcessConfig(
         mesh=MeshConnection(MESH.nats_url, MESH.namespace, log_level="debug"),
@@ -73,8 +80,13 @@ EXAMPLES: dict[str, Any] = {
     "up": UpConfig(
         mesh=MeshConnection(nats_url="", namespace="x", log_level="warning"),
         workers=0,
+        prefill_workers=1,
+        decode_workers=2,
         routers=3,
+        router=replace(UpConfig().router, pd=PdConfig(local_prefill_tokens=32)),
         engine_urls=("http://a:1", "http://b:2"),
+        prefill_urls=("http://p:1",),
+        decode_urls=("http://d:1", "http://d:2"),
         metrics_port=9100,
     ),
     "nats": NatsServerConfig(port=-1),
@@ -215,6 +227,69 @@ def test_engine_urls_repeat_and_their_variable_is_comma_separated() -> None:
     assert parse_command(["up"], environ={})[1].engine_urls == ()
 
 
+def up_workers(*argv: str) -> list[tuple[str, str | None]]:
+    """(role, engine URL) of each worker `genmesh up argv` starts, and each one's command
+    line checked to carry its role."""
+    configs = worker_configs(parse_command(["up", *argv], environ={})[1])
+    for config in configs:
+        line = command_argv(config)
+        assert ("--role" in line) is (config.service.role != "both"), line
+        if "--role" in line:
+            assert line[line.index("--role") + 1] == config.service.role
+    return [(c.service.role, c.engine_url) for c in configs]
+
+
+def test_up_runs_prefill_and_decode_workers() -> None:
+    assert up_workers("--prefill-workers", "1", "--decode-workers", "2") == [
+        ("prefill", None),
+        ("decode", None),
+        ("decode", None),
+    ]  # no role-both workers unless asked for
+    assert up_workers("--decode-workers", "1", "--workers", "1") == [
+        ("decode", None),
+        ("both", None),
+    ]
+    argv = ["--engine", "sglang", "--prefill-url", "http://p:1", "--decode-url", "http://d:1"]
+    assert up_workers(*argv, "--engine-url", "http://a:1") == [
+        ("both", "http://a:1"),
+        ("prefill", "http://p:1"),
+        ("decode", "http://d:1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-url", "http://p:1"], "--prefill-url needs --engine sglang or --engine vllm"),
+        (
+            ["--engine", "vllm", "--decode-workers", "1"],
+            "--decode-workers runs mock workers; with --engine vllm give --decode-url "
+            "(one per server)",
+        ),
+        (
+            ["--engine", "vllm"],
+            "--engine vllm needs --engine-url, or --prefill-url and --decode-url (repeat "
+            "them for several)",
+        ),
+        (
+            ["--prefill-workers", "2", "--workers", "1"],
+            "prefill workers serve decode workers only: add decode workers",
+        ),
+    ],
+)
+def test_up_refuses_meshes_it_cannot_run(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        worker_configs(parse_command(["up", *argv], environ={})[1])
+
+
+def test_up_hands_the_pd_threshold_to_routers_and_frontends_alike() -> None:
+    _, up = parse_command(["up", "--pd-local-prefill-tokens", "48"], environ={})
+    [(_, frontend)] = frontend_configs(up, MESH)
+    assert up.router.pd == frontend.pd == PdConfig(local_prefill_tokens=48)
+    for line in (command_argv(frontend), command_argv(up.router)):
+        assert line[line.index("--pd-local-prefill-tokens") + 1] == "48"
+
+
 def test_defaults_as_today() -> None:
     _, worker = parse_command(["worker"], environ={})
     assert worker.mock.speedup == 1.0  # a worker's mock runs in real time...
@@ -222,7 +297,8 @@ def test_defaults_as_today() -> None:
     assert worker.service.worker_id.startswith("w")
     assert worker.service.worker_id != parse_command(["worker"], environ={})[1].service.worker_id
     _, up = parse_command(["up"], environ={})
-    assert (up.mesh.nats_url, up.workers, up.routers, up.frontend.port) == ("", 2, 1, 8000)
+    assert (up.mesh.nats_url, up.routers, up.frontend.port) == ("", 1, 8000)
+    assert [w.service.role for w in worker_configs(up)] == ["both", "both"]  # 2 workers
     assert up.worker.service.drain_timeout_s == 30.0
     _, testkit = parse_command(["testkit", "sglang"], environ={"GENMESH_PORT": "1"})
     assert (testkit.port, testkit.log_level) == (30000, "warning")  # its own variables
@@ -231,7 +307,8 @@ def test_defaults_as_today() -> None:
 def test_up_takes_the_services_declarations() -> None:
     """`up` re-uses the services' declarations (the very same Option objects), except for
     the two options whose meaning is its own."""
-    own = {"--engine-url", "--metrics-port"}  # several URLs; the first of many ports
+    # Several URLs; the first of many ports; workers by role.
+    own = {"--engine-url", "--metrics-port", "--prefill-url", "--decode-url"}
     taken = {s.flag: s.option for s in specs(UpConfig)}
     shared = set()
     for config_class in (FrontendConfig, RouterConfig, WorkerProcessConfig):

@@ -21,7 +21,8 @@ from pathlib import Path
 
 # The NATS users of a secured mesh (deploy/nats/permissions.conf): one per service role,
 # and one per client application, each reading its replies under its own inbox prefix.
-USERS = ("frontend", "router", "worker", "client", "client2", "admin")
+# `decode`: decode workers (--role decode), which send prefill stages to other workers.
+USERS = ("frontend", "router", "worker", "decode", "client", "client2", "admin")
 
 
 _LETTERS = string.ascii_letters

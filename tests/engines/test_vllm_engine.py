@@ -24,6 +24,7 @@ from genmesh.engines.vllm import (
     ENGINE_ID_PREFIX,
     VllmEngine,
     _Parser,
+    client_kv_transfer_params,
     engine_request_ids,
     vllm_request,
 )
@@ -174,7 +175,8 @@ def test_body_from_a_vllm_request_keeps_native_fields() -> None:
         },
     }
     env = vllm_envelope(client, {"X-data-parallel-rank": "1"})
-    body, headers = vllm_request(env, "e" * 32, "genmesh-mock")
+    # As `generate` sends it: with the client's own kv_transfer_params.
+    body, headers = vllm_request(env, "e" * 32, "genmesh-mock", client_kv_transfer_params(env))
     assert body["request_id"] == "e" * 32  # never the client's id
     assert body["token_ids"] == [5, 6, 7]
     assert body["model"] == "genmesh-mock"
@@ -194,6 +196,10 @@ def test_body_from_a_vllm_request_keeps_native_fields() -> None:
     assert sp["extra_args"] == {"mine": 1, "kv_transfer_params": kv}
     assert "detokenize" not in sp  # the client's call
     assert headers["X-data-parallel-rank"] == "1"
+    # A P/D half sends its own params, or none: never the client's.
+    body, _ = vllm_request(env, "e" * 32, "genmesh-mock")
+    assert "kv_transfer_params" not in body
+    assert body["sampling_params"]["extra_args"] == {"mine": 1}
 
 
 def test_a_prefill_leg_is_unary() -> None:
@@ -202,7 +208,7 @@ def test_a_prefill_leg_is_unary() -> None:
         {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1},
          "kv_transfer_params": {"do_remote_decode": True}}
     )  # fmt: skip
-    body, _ = vllm_request(env, "x" * 32)
+    body, _ = vllm_request(env, "x" * 32, None, client_kv_transfer_params(env))
     assert body["stream"] is False
     assert "stream_options" not in body
     assert body["sampling_params"]["extra_args"] == {
@@ -338,6 +344,8 @@ def test_finish_reason_error_is_retryable() -> None:
     with pytest.raises(MeshError) as info:
         _Parser(envelope()).parse(chunk([1], "error"))
     assert info.value.code is ErrorCode.UNAVAILABLE
+    # The status vLLM's streaming route answers it with: one shape for both routes.
+    assert info.value.detail == {"status_code": 500}
 
 
 def test_error_event_before_and_after_tokens() -> None:
@@ -381,6 +389,13 @@ def test_empty_chunks_are_skipped_and_usage_kept() -> None:
     usage = {"prompt_tokens": 6, "completion_tokens": 0}
     assert parser.parse({"request_id": "r", "choices": [], "usage": usage}) is None
     assert parser.usage == usage
+
+
+def test_max_tokens_zero_keeps_an_abort() -> None:
+    """The dropped token's finish reads "length", but an abort stays an abort."""
+    out = _Parser(envelope(max_tokens=0)).parse(chunk([], "abort"))
+    assert out is not None
+    assert out.finish == {"reason": "abort"}
 
 
 def test_max_tokens_zero_drops_the_token() -> None:

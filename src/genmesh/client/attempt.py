@@ -26,7 +26,13 @@ from genmesh.client.migration import MigrationReason
 from genmesh.client.tracing import attempt_span, failed_attempt_span
 from genmesh.codecs import CodecError, UnknownCodecError
 from genmesh.shared import frames, tracing
-from genmesh.shared.bus import PING_NOT_RUNNING, codec_headers, is_no_responders, message_codec
+from genmesh.shared.bus import (
+    PING_NOT_RUNNING,
+    PREFILL_HEADER,
+    codec_headers,
+    is_no_responders,
+    message_codec,
+)
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.tasks import keep_cancel
@@ -194,6 +200,9 @@ class Attempt:
                 f"the request cannot be encoded: {exc}",
             )
         headers = codec_headers(client.codec)
+        prefill = self.decision.prefill if self.decision is not None else None
+        if prefill is not None:  # a decode worker, paired (docs/protocol.md §3)
+            headers = {**(headers or {}), PREFILL_HEADER: prefill.id}
         if span is not None:  # the router's and worker's spans become its children
             headers = tracing.inject(headers, span.span)
         elif started_ns:  # or the caller's span's (the frontend's server span)

@@ -27,6 +27,9 @@ from genmesh.shared import frames
 from genmesh.shared.envelope import Continuation, Envelope
 
 MIG: Literal["mig"] = "mig"
+# An `err` frame's `detail` key naming the prefill worker whose stage failed the request
+# (set by the decode worker: docs/protocol.md §6.6).
+PREFILL_WORKER_DETAIL = "prefill_worker"
 DEFAULT_MIGRATION_LIMIT = 3
 # A refusal before admission (overloaded; a draining worker; no router subscribed) is
 # retried after a pause that doubles each time (0.1, 0.2, 0.4 s): a full mesh gets a
@@ -234,6 +237,12 @@ class Migrator:
             return final
         if worker is not None:
             self.failed.append(worker)
+        # A decode worker whose prefill half failed names the prefill worker: the next
+        # pair leaves it out too (the decode worker itself may be fine, but is excluded
+        # like any worker of a failed attempt).
+        prefill = (failure.get("detail") or {}).get(PREFILL_WORKER_DETAIL)
+        if isinstance(prefill, str) and prefill not in self.failed:
+            self.failed.append(prefill)
         self.attempt += 1
         self.envelope = self._avoiding_quarantined(
             continuation(self.original, self.delivered, self.attempt, self.failed)

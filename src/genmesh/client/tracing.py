@@ -24,6 +24,7 @@ from genmesh.shared.envelope import Envelope
 from genmesh.shared.tracing import (
     ATTEMPT,
     FORMAT,
+    PD_PREFILL_WORKER,
     REQUEST_ID,
     ROUTER_CANDIDATES,
     ROUTER_POLICY,
@@ -49,6 +50,8 @@ def _attributes(
     if decision is not None:
         attributes[WORKER] = decision.worker.id
         attributes[ROUTER_CANDIDATES] = len(decision.candidates)
+        if decision.prefill is not None:
+            attributes[PD_PREFILL_WORKER] = decision.prefill.id
     return attributes
 
 

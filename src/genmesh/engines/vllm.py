@@ -27,6 +27,13 @@ adapter negates them. vLLM returns prompt logprobs from position 0 (entry 0 null
 adapter keeps those from `output.prompt_logprobs_start` on, the first of them None as in
 every engine's output. vLLM refuses `max_tokens: 0`, which genmesh allows (a prompt-only
 scoring request): the adapter asks for one token and drops it.
+
+Prefill/decode disaggregation (docs/disaggregation.md, "vLLM"; reference `engine-apis.md`
+§C.3) is vLLM's connector protocol, run in sequence: `prefill` sends the request as a
+scoring request (one token, dropped) with `kv_transfer_params {"do_remote_decode": true}`,
+unary, and hands the reply's `kv_transfer_params` over, untouched, to `decode`, which sends
+the request again with them; the decode server pulls the prompt's KV and samples every
+output token itself.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import math
 import re
 import secrets
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 import orjson
@@ -59,6 +67,11 @@ from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
 
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from genmesh.shared.subjects import Subjects
+
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -77,6 +90,8 @@ _MAPPED_CHOICE = frozenset(
 # Top-level response fields that travel as engine extras.
 _TOP_LEVEL_EXTRAS = ("kv_transfer_params", "ec_transfer_params")
 _ACCEPT = "text/event-stream, application/json"
+# The `detail.reason` of a P/D decode whose server could not read the prefill's KV.
+KV_TRANSFER_FAILED = "kv_transfer"
 # Seconds to wait, after the terminal chunk, for the usage chunk and `[DONE]`.
 _TAIL_TIMEOUT_S = 5.0
 
@@ -90,13 +105,37 @@ def engine_request_ids(dispatch_id: str) -> list[str]:
     return [ENGINE_ID_PREFIX + dispatch_id, dispatch_id]
 
 
+# What a P/D proxy sends its prefill server (vLLM's toy proxy,
+# tests/v1/kv_connector/nixl_integration/toy_proxy_server.py): the NIXL connector then keeps
+# the prompt's KV blocks for a decode server and answers where they are.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def client_kv_transfer_params(env: Envelope) -> dict[str, Any] | None:
+    """The `kv_transfer_params` of a client that spoke vLLM (its own P/D proxy), if any."""
+    kv = env.engine.get("kv_transfer_params") if env.format == "vllm" else None
+    return kv if isinstance(kv, dict) else None
+
+
 def vllm_request(
-    env: Envelope, dispatch_id: str, model: str | None = None
+    env: Envelope,
+    dispatch_id: str,
+    model: str | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The body and headers of one dispatch: the client's own fields if it spoke vLLM,
-    then everything the envelope decides (budget, logprobs, routing, ...), which wins."""
+    then everything the envelope decides (budget, logprobs, routing, ...), which wins;
+    `kv_transfer_params` (none unless given) replace the client's."""
     native = env.format == "vllm"
     body = {k: v for k, v in env.engine.items() if k not in _OWNED} if native else {}
+    body.pop("kv_transfer_params", None)
     sp = dict(body.get("sampling_params") or {})
     s = env.sampling
     if s.max_tokens is None:
@@ -133,9 +172,14 @@ def vllm_request(
     if not native:
         # Token ids are all genmesh reads: spare the server the detokenizing.
         sp.setdefault("detokenize", False)
-    kv = body.get("kv_transfer_params")
-    if isinstance(kv, dict):
-        # v0.11-v0.18 read it only from extra_args; newer servers copy it there themselves.
+    kv = kv_transfer_params
+    if kv is not None:
+        # Both places: /inference/v1/generate hands the engine `sampling_params` as sent
+        # (vllm/entrypoints/serve/disagg/serving.py, `ServingTokens.serve_tokens`), so
+        # v0.11-v0.18 see the params only in extra_args, where the KV connector reads them;
+        # the top-level field (GenerateRequest.kv_transfer_params, protocol.py) reaches the
+        # engine once the server copies it there itself (vllm-project/vllm#42644).
+        body["kv_transfer_params"] = kv
         extra = sp.get("extra_args")
         sp["extra_args"] = {**(extra if isinstance(extra, dict) else {}), "kv_transfer_params": kv}
     body["sampling_params"] = sp
@@ -228,7 +272,11 @@ def _finish(reason: Any, stop_reason: Any) -> Finish:
     if reason == "abort":
         return {"reason": "abort"}
     if reason == "error":
-        raise unavailable("vLLM ended the request with an engine error (finish_reason error)")
+        # The status the streaming route answers the same FinishReason.ERROR with
+        # (GenerationError, 500), so both routes' engine failures read alike.
+        raise unavailable(
+            "vLLM ended the request with an engine error (finish_reason error)", status_code=500
+        )
     return {"reason": "abort", "message": f"vLLM finish reason {str(reason)[:100]!r}"}
 
 
@@ -283,7 +331,7 @@ class _Parser:
             reason = choice.get("finish_reason")
             if reason is not None:
                 out.finish = _finish(reason, choice.get("stop_reason"))
-                if self.drop_tokens:
+                if self.drop_tokens and out.finish["reason"] != "abort":
                     out.finish = {"reason": "length"}
             extras = {k: v for k, v in choice.items() if k not in _MAPPED_CHOICE and v is not None}
         for key in _TOP_LEVEL_EXTRAS:
@@ -595,16 +643,105 @@ class VllmEngine(HttpEngineBase):
 
     def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
-        return engine_call(self._generate(env), self.name, self.config.url, GENERATE_PATH)
+        return self._call(self._generate(env, client_kv_transfer_params(env)))
 
-    async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+    def _call(
+        self, outputs: AsyncGenerator[EngineOutput, None]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        return engine_call(outputs, self.name, self.config.url, GENERATE_PATH)
+
+    # ------------------------------------------------------------------ P/D (§C.3)
+
+    pd_kind = "vllm"
+    # The decode needs the prefill's reply (its kv_transfer_params): one after the other.
+    pd_concurrent = False
+
+    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+        """Nothing to attach: the servers move the KV between themselves (NIXL)."""
+
+    def pd_card(self) -> dict[str, Any]:
+        # A decode server (kv_consumer) runs a request without kv_transfer_params as any
+        # server does: the decode worker can serve a request alone.
+        return {"local_prefill": True}
+
+    def pd_ticket(self, envelope: Envelope, prefill: dict[str, Any]) -> dict[str, Any]:
+        # The halves pair through the prefill's reply, not through anything agreed before.
+        return {}
+
+    def prefill(
+        self, envelope: Envelope, ticket: dict[str, Any]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        return self._call(self._prefill(envelope))
+
+    def decode(
+        self, envelope: Envelope, ticket: dict[str, Any], handoff: dict[str, Any] | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        return self._call(self._decode(envelope, handoff or None))
+
+    async def _prefill(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        """Stage 1: the prompt only (a scoring request: one token, dropped, for the decode
+        server samples every token), unary, with do_remote_decode; min_tokens cannot
+        exceed that one token. Its prompt logprobs are the request's; its reply's
+        kv_transfer_params are the handoff, as opaque as vLLM's own proxies hold them.
+        A reply without them (the prefill ended other than length-capped: its one token
+        was a stop token) hands over nothing, and the decode computes the prompt itself.
+        With max_tokens 0 the prefill is the whole request: no do_remote_decode then, so
+        that the server keeps no KV for a decode that never comes."""
+        stage = replace(
+            env,
+            sampling=replace(env.sampling, max_tokens=0, min_tokens=0),
+            output=replace(env.output, logprobs=False),
+        )
+        remote = None if env.sampling.max_tokens == 0 else PREFILL_KV_TRANSFER_PARAMS
+        async for out in self._generate(stage, remote):
+            if out.finish is not None:
+                if out.finish["reason"] == "abort":
+                    raise unavailable(
+                        f"vLLM aborted the prefill: {out.finish.get('message', 'abort')}"
+                    )
+                extras = out.engine or {}
+                handoff = extras.pop("kv_transfer_params", None)
+                out.engine = extras or None
+                out.handoff = handoff if isinstance(handoff, dict) else {}
+            yield out
+
+    async def _decode(
+        self, env: Envelope, handoff: dict[str, Any] | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Stage 2: the request as `generate` sends it, with the prefill's handoff as its
+        kv_transfer_params (none without one: the decode server then computes the prompt
+        itself), and without prompt logprobs, which the prefill gave. A decode server that
+        cannot read the prefill's KV ends the request with FinishReason.ERROR, which it
+        answers as a 500 (`_raise_if_error`, vllm/entrypoints/openai/engine/serving.py;
+        `kv_load_failure_policy` "fail", vllm/config/kv_transfer.py): a retryable failure
+        of the pair, named for what it is."""
+        stage = replace(env, output=replace(env.output, prompt_logprobs_start=None))
+        started = False
+        try:
+            async for out in self._generate(stage, handoff):
+                started = started or bool(out.tokens)
+                yield out
+        except MeshError as exc:
+            if handoff is None or started or exc.detail.get("status_code") != 500:
+                raise
+            raise unavailable(
+                f"KV transfer failed: the vLLM decode server could not load the prefill's "
+                f"KV ({exc.message})",
+                reason=KV_TRANSFER_FAILED,
+            ) from None
+
+    # ------------------------------------------------------------------ one dispatch
+
+    async def _generate(
+        self, env: Envelope, kv_transfer_params: dict[str, Any] | None
+    ) -> AsyncGenerator[EngineOutput, None]:
         if env.output.routed_experts_start is not None:
             # Say so rather than answer without them.
             raise MeshError(
                 ErrorCode.INVALID_ARGUMENT, "this vLLM engine does not report routed experts"
             )
         dispatch_id = new_dispatch_id()
-        body, headers = vllm_request(env, dispatch_id, self._model)
+        body, headers = vllm_request(env, dispatch_id, self._model, kv_transfer_params)
         self._dispatches[env.id] = dispatch_id
         parser = _Parser(env)
         url = f"{self.config.base}{GENERATE_PATH}"

@@ -60,6 +60,11 @@ class KvPolicy:
         self.index = KvIndex()
         self.predicted = PredictedCache(config.approx_ttl_s, clock)
         self._rng = rng or random.Random()
+        # See `CacheAware` (routing/policies.py).
+        self.chosen_cached_tokens = 0
+        # The last envelope's block keys (envelope, block size, keys): a pair's two choices
+        # (its decode worker's, then its prefill worker's) hash one prompt once.
+        self._keys: tuple[Envelope, int, list[int]] | None = None
 
     def uses_events(self, worker: WorkerInfo) -> bool:
         return self.follows_events and publishes_kv_events(worker)
@@ -71,7 +76,7 @@ class KvPolicy:
 
     def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         size = block_size(workers)
-        keys = request_block_keys(envelope, size)
+        keys = self._block_keys(envelope, size)
         with_events = [self.uses_events(w) for w in workers]
         from_events = self.index.overlaps(keys) if any(with_events) else {}
         predicted = self.predicted.overlaps(keys) if not all(with_events) else {}
@@ -79,32 +84,45 @@ class KvPolicy:
         # costs its worker one: else such prompts would ignore load altogether.
         blocks = max(1, -(-len(envelope.token_ids) // size))
         weight = self.config.overlap_weight
-        costs = [
-            weight * (blocks - (from_events if events else predicted).get(w.id, 0))
-            + w.load * blocks
+        held = [
+            (from_events if events else predicted).get(w.id, 0)
             for w, events in zip(workers, with_events, strict=True)
         ]
-        chosen = self._pick(workers, costs)
+        costs = [
+            weight * (blocks - overlap) + w.load * blocks
+            for w, overlap in zip(workers, held, strict=True)
+        ]
+        pick = self._pick(workers, costs)
+        chosen = workers[pick]
+        # Before the prediction below counts this prompt as cached there.
+        self.chosen_cached_tokens = min(held[pick] * size, len(envelope.token_ids))
         if not self.uses_events(chosen):
             info = chosen.engine_info
             tokens = None if info is None else info.max_total_num_tokens
             self.predicted.record(chosen.id, keys, None if tokens is None else tokens // size)
         return chosen
 
-    def _pick(self, workers: list[WorkerInfo], costs: list[float]) -> WorkerInfo:
+    def _block_keys(self, envelope: Envelope, size: int) -> list[int]:
+        last = self._keys
+        if last is not None and last[0] is envelope and last[1] == size:
+            return last[2]
+        keys = request_block_keys(envelope, size)
+        self._keys = (envelope, size, keys)
+        return keys
+
+    def _pick(self, workers: list[WorkerInfo], costs: list[float]) -> int:
+        """The index of the worker chosen among `workers`."""
         temperature = self.config.temperature
         low, high = min(costs), max(costs)
         if temperature == 0:
-            return min(
-                (w for w, c in zip(workers, costs, strict=True) if c == low), key=lambda w: w.id
-            )
+            return min((i for i, c in enumerate(costs) if c == low), key=lambda i: workers[i].id)
         # Dynamo's softmax_sample: costs rescaled to [-1/temperature, 0] before exp(); all
         # equal, all equally likely. Sorted, so a seeded draw does not depend on the order
         # of discovery.
-        ordered = sorted(zip(workers, costs, strict=True), key=lambda wc: wc[0].id)
+        ordered = sorted(range(len(workers)), key=lambda i: workers[i].id)
         scale = 1.0 / ((high - low) * temperature) if high > low else 0.0
-        weights = [math.exp((low - c) * scale) for _, c in ordered]
-        return self._rng.choices([w for w, _ in ordered], weights)[0]
+        weights = [math.exp((low - costs[i]) * scale) for i in ordered]
+        return self._rng.choices(ordered, weights)[0]
 
 
 def block_size(workers: list[WorkerInfo]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from genmesh.shared.settings import non_negative_float, option
 
@@ -20,6 +20,15 @@ class Policy(Protocol):
     def choose(self, workers: list[WorkerInfo], envelope: Envelope) -> WorkerInfo:
         """One of `workers` (eligible, not full, never empty) for `envelope`."""
         ...
+
+
+@runtime_checkable
+class CacheAware(Protocol):
+    """A policy that knows what each worker's cache holds (`kv`)."""
+
+    # Prompt tokens the cache of the worker `choose` last returned held before that
+    # choice (conditional disaggregation reads it: routing/pairing.py).
+    chosen_cached_tokens: int
 
 
 class RoundRobin:

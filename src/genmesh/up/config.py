@@ -42,13 +42,31 @@ class UpConfig:
         "connections over them); with more than one, each writes its own --request-trace "
         "file, PATH-f<n>",
     )
-    workers: int = option(2, help="number of worker processes")
+    # None: 2, or none beside prefill/decode workers (a P/D mesh is one by default).
+    workers: int | None = option(
+        None,
+        parse=non_negative_int,
+        help="number of mock worker processes running whole requests (role both); "
+        "default 2, or 0 when --prefill-workers or --decode-workers is given",
+    )
+    prefill_workers: int = option(
+        0,
+        parse=non_negative_int,
+        help="number of mock workers with --role prefill: they run the prefill of the "
+        "requests routed to decode workers (docs/disaggregation.md); needs --decode-workers",
+    )
+    decode_workers: int = option(
+        0,
+        parse=non_negative_int,
+        help="number of mock workers with --role decode: each request routed to one is "
+        "paired with a prefill worker, or runs there alone (--pd-local-prefill-tokens)",
+    )
     # Routers serve NATS-level clients (and the frontend with --routing routers); the
     # frontend routes its own requests by default, so a mesh for HTTP clients needs none.
     routers: int = option(
         1, parse=non_negative_int, help="number of router processes (0: none; HTTP only)"
     )
-    router: RouterConfig = group(RouterConfig(), only=("policy", "kv", "admission"))
+    router: RouterConfig = group(RouterConfig(), only=("policy", "kv", "admission", "pd"))
     worker: WorkerProcessConfig = group(
         WorkerProcessConfig(),
         only=("engine", "service.max_concurrency", "service.drain_timeout_s", "mock"),
@@ -58,6 +76,21 @@ class UpConfig:
         flag="--engine-url",
         repeat=True,
         help="HTTP address of an SGLang/vLLM server; repeat for several, one worker each",
+    )
+    prefill_urls: tuple[str, ...] = option(
+        (),
+        flag="--prefill-url",
+        repeat=True,
+        help="HTTP address of an SGLang/vLLM server that prefills for decode servers "
+        "(SGLang's --disaggregation-mode prefill; vLLM with a KV connector); one worker "
+        "with --role prefill each",
+    )
+    decode_urls: tuple[str, ...] = option(
+        (),
+        flag="--decode-url",
+        repeat=True,
+        help="HTTP address of an SGLang/vLLM server in decode mode; one worker with "
+        "--role decode each",
     )
     metrics_port: int = option(
         0,

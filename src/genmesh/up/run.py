@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
+from genmesh.engines.base import ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.shared.bus import NatsUnreachable, connect, redact
@@ -22,6 +23,11 @@ from genmesh.supervisor import ChildExited, NotReady, Supervisor, wait_http_ok_f
 from genmesh.up.config import UpConfig
 
 READY_TIMEOUT_S = 30.0
+# Mock workers running whole requests when --workers is not given (none in a P/D mesh).
+DEFAULT_WORKERS = 2
+# The options that ask for workers of each role.
+_URL_FLAGS = {ROLE_BOTH: "--engine-url", ROLE_PREFILL: "--prefill-url", ROLE_DECODE: "--decode-url"}
+_COUNT_FLAGS = {ROLE_PREFILL: "--prefill-workers", ROLE_DECODE: "--decode-workers"}
 WATCH_INTERVAL_S = 0.1
 
 
@@ -34,25 +40,51 @@ async def _probe_nats(url: str, auth: NatsAuth) -> None:
     await nc.close()
 
 
-def _worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
-    """One config per worker: --workers mocks, or one worker per engine URL."""
-    urls = config.engine_urls
+def worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
+    """One config per worker: mocks by role (--workers, --prefill-workers,
+    --decode-workers), or one worker per engine URL with the role its option says."""
     engine = config.worker.engine
+    urls = {
+        ROLE_BOTH: config.engine_urls,
+        ROLE_PREFILL: config.prefill_urls,
+        ROLE_DECODE: config.decode_urls,
+    }
+    counts = {
+        ROLE_PREFILL: config.prefill_workers,
+        ROLE_DECODE: config.decode_workers,
+    }
     if engine == "mock":
-        if urls:
-            raise ValueError("--engine-url needs --engine sglang or --engine vllm")
-        plans: list[str | None] = [None] * config.workers
-    elif not urls:
-        raise ValueError(f"--engine {engine} needs --engine-url (repeat it for several)")
+        for role, flag in _URL_FLAGS.items():
+            if urls[role]:
+                raise ValueError(f"{flag} needs --engine sglang or --engine vllm")
+        default_workers = 0 if any(counts.values()) else DEFAULT_WORKERS
+        counts[ROLE_BOTH] = default_workers if config.workers is None else config.workers
+        plans: list[tuple[str, str | None]] = [
+            (role, None) for role, count in counts.items() for _ in range(count)
+        ]
     else:
-        plans = list(urls)
+        for role, flag in _COUNT_FLAGS.items():
+            if counts[role]:
+                raise ValueError(
+                    f"{flag} runs mock workers; with --engine {engine} give "
+                    f"{_URL_FLAGS[role]} (one per server)"
+                )
+        plans = [(role, url) for role, given in urls.items() for url in given]
+        if not plans:
+            raise ValueError(
+                f"--engine {engine} needs --engine-url, or --prefill-url and --decode-url "
+                "(repeat them for several)"
+            )
+    roles = [role for role, _ in plans]
+    if ROLE_PREFILL in roles and ROLE_DECODE not in roles:
+        raise ValueError("prefill workers serve decode workers only: add decode workers")
     return [
         replace(
             config.worker,
-            service=replace(config.worker.service, worker_id=new_worker_id()),
+            service=replace(config.worker.service, worker_id=new_worker_id(), role=role),
             engine_url=url,
         )
-        for url in plans
+        for role, url in plans
     ]
 
 
@@ -78,6 +110,7 @@ def frontend_configs(config: UpConfig, mesh: MeshConnection) -> list[tuple[str, 
         router_policy=config.router.policy,
         kv=config.router.kv,
         admission=config.router.admission,
+        pd=config.router.pd,
         api_key=None,
         admin_api_key=None,
     )
@@ -105,7 +138,7 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
         _say("--routing routers needs a router: give --routers 1 or more")
         return 2
     try:
-        workers = _worker_configs(config)
+        workers = worker_configs(config)
         if config.frontends > 1 and config.frontend.port == 0:
             raise ValueError("--frontends above 1 needs a fixed --port, which they share")
     except ValueError as exc:
@@ -198,7 +231,11 @@ def _print_summary(config: UpConfig, nats_url: str, supervisor: Supervisor, http
     ]
     for child in supervisor.children:
         if child.role != "frontend":
-            lines.append(f"  {child.role:<9} {child.name:<10} pid {child.pid}")
+            line = f"  {child.role:<9} {child.name:<10} pid {child.pid}"
+            if isinstance(child.config, WorkerProcessConfig):
+                role = child.config.service.role
+                line += f"  (role {role})" if role != ROLE_BOTH else ""
+            lines.append(line)
     pids = ", ".join(str(c.pid) for c in supervisor.children if c.role == "frontend")
     lines += [
         f"  frontend  {http_url}  pid {pids}  (POST /generate, GET /metrics)",

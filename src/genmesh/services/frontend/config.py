@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
 from genmesh.records.config import RecordsConfig
 from genmesh.routing.busy import AdmissionConfig
+from genmesh.routing.pairing import PdConfig
 from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
@@ -47,6 +48,7 @@ class FrontendConfig:
     admission: AdmissionConfig = group(
         AdmissionConfig(), title="admission control (busy workers, the wait queue)"
     )
+    pd: PdConfig = group(PdConfig(), title="prefill/decode pairs (with --routing frontend)")
     model: str = option("genmesh-mock", help="model name reported before any worker is known")
     body_limit_mb: float = option(32.0, help="largest request body")
     ack_timeout_s: float = option(

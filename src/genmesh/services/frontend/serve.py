@@ -17,7 +17,7 @@ from genmesh.formats.catalog import load_generate_formats
 from genmesh.routing.admission import Admission
 from genmesh.routing.choice import Chooser
 from genmesh.routing.kv_feed import KvCollector, kv_subscriber
-from genmesh.routing.metrics import AdmissionCollector
+from genmesh.routing.metrics import AdmissionCollector, PdCollector
 from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.config import FrontendConfig
@@ -90,7 +90,10 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         router = None
         if config.routing == "frontend":
             chooser = Chooser(
-                directory, make_policy(config.router_policy, config.kv), config.admission
+                directory,
+                make_policy(config.router_policy, config.kv),
+                config.admission,
+                config.pd,
             )
             router = Admission(chooser, config.admission, "the frontend")
         client = MeshClient(
@@ -128,6 +131,7 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             metrics.registry.register(KvCollector(kv))
         if router is not None:
             metrics.registry.register(AdmissionCollector(router, PREFIX))
+            metrics.registry.register(PdCollector(router.chooser))
         state.observers.append(metrics)
         tracer = tracing.tracer()
         if tracer is not None:  # off, traces cost nothing: not even an observer

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genmesh.routing.busy import AdmissionConfig
+from genmesh.routing.pairing import PdConfig
 from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
@@ -27,4 +28,5 @@ class RouterConfig:
     admission: AdmissionConfig = group(
         AdmissionConfig(), title="admission control (busy workers, the wait queue)"
     )
+    pd: PdConfig = group(PdConfig(), title="prefill/decode pairs")
     metrics: MetricsConfig = group(MetricsConfig())

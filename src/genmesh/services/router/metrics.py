@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from genmesh.routing.kv_feed import KvCollector
-from genmesh.routing.metrics import AdmissionCollector
+from genmesh.routing.metrics import AdmissionCollector, PdCollector
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import counter_by_code, new_registry
 
@@ -74,6 +74,7 @@ def router_registry(router: Router) -> CollectorRegistry:
     registry = new_registry()
     registry.register(RouterCollector(router))
     registry.register(AdmissionCollector(router.admission, "genmesh_router_"))
+    registry.register(PdCollector(router.admission.chooser))
     if router.kv is not None:
         registry.register(KvCollector(router.kv))
     return registry

@@ -38,6 +38,7 @@ async def running_router(config: RouterConfig) -> AsyncIterator[Router]:
             kv=config.kv,
             router_id=config.router_id,
             admission=config.admission,
+            pd=config.pd,
         )
         await stack.enter_async_context(
             serving_metrics(config.metrics, lambda: router_registry(router))

@@ -21,10 +21,12 @@ from genmesh.routing.admission import Admission
 from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.choice import Chooser, Decision
 from genmesh.routing.kv_feed import kv_subscriber
+from genmesh.routing.pairing import PdConfig
 from genmesh.routing.policies import KvConfig, Policy, make_policy
 from genmesh.services.router import tracing as router_tracing
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
+    PREFILL_HEADER,
     check_subscriptions,
     codec_headers,
     message_codec,
@@ -70,6 +72,7 @@ class Router(Service):
         router_id: str = "",
         heartbeat_interval_s: float = 1.0,
         admission: AdmissionConfig | None = None,
+        pd: PdConfig | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -82,7 +85,7 @@ class Router(Service):
         )
         config = admission or AdmissionConfig()
         self.admission = Admission(
-            Chooser(self.directory, self.policy, config), config, f"router {router_id}"
+            Chooser(self.directory, self.policy, config, pd), config, f"router {router_id}"
         )
         # Requests waiting in the admission queue, by id.
         self._held: dict[str, _Held] = {}
@@ -239,9 +242,16 @@ class Router(Service):
         msg = request.msg
         worker = decision.worker
         self.decisions[worker.id] += 1
-        # The original bytes and headers (codec) go on untouched, but for the trace context:
-        # with tracing on, this router's span becomes the worker span's parent.
+        # The original bytes and headers (codec) go on untouched, but for the trace context
+        # (with tracing on, this router's span becomes the worker span's parent) and the
+        # pairing, which is this router's to make: a requester's own is dropped.
         headers = msg.headers
         if span is not None:
-            headers = router_tracing.routed(span, worker, decision.candidates, headers)
+            headers = router_tracing.routed(
+                span, worker, decision.candidates, headers, decision.prefill
+            )
+        if decision.prefill is not None:
+            headers = {**(headers or {}), PREFILL_HEADER: decision.prefill.id}
+        elif headers and PREFILL_HEADER in headers:
+            headers = {k: v for k, v in headers.items() if k != PREFILL_HEADER}
         await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=headers)

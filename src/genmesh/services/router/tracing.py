@@ -17,6 +17,7 @@ from genmesh.shared.tracing import (
     ATTEMPT,
     FORMAT,
     MAX_LISTED,
+    PD_PREFILL_WORKER,
     REQUEST_ID,
     ROUTER,
     ROUTER_CANDIDATE_IDS,
@@ -67,19 +68,21 @@ def routed(
     worker: WorkerInfo,
     candidates: list[WorkerInfo],
     headers: Mapping[str, str] | None,
+    prefill: WorkerInfo | None = None,
 ) -> dict[str, str]:
     """End the router's span with its decision (the worker, among how many free eligible
-    ones); the forward's headers, carrying the span's context (the requester's baggage
-    kept), so that the worker's span is its child."""
+    ones, and its prefill worker if paired); the forward's headers, carrying the span's
+    context (the requester's baggage kept), so that the worker's span is its child."""
     span = hop.span
     if span.is_recording():
-        span.set_attributes(
-            {
-                WORKER: worker.id,
-                ROUTER_CANDIDATES: len(candidates),
-                ROUTER_CANDIDATE_IDS: [w.id for w in candidates[:MAX_LISTED]],
-            }
-        )
+        attributes: dict[str, str | int | list[str]] = {
+            WORKER: worker.id,
+            ROUTER_CANDIDATES: len(candidates),
+            ROUTER_CANDIDATE_IDS: [w.id for w in candidates[:MAX_LISTED]],
+        }
+        if prefill is not None:
+            attributes[PD_PREFILL_WORKER] = prefill.id
+        span.set_attributes(attributes)
     forwarded = inject(headers, span, hop.parent)
     span.end()
     return forwarded

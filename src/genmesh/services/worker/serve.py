@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from genmesh.engines.base import Engine
+from genmesh.engines.base import ROLE_DECODE, Engine
 from genmesh.engines.faults import FaultyEngine
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.services.worker.faults import serve_fault_control
@@ -34,7 +34,9 @@ async def running_worker(config: WorkerProcessConfig, engine: Engine) -> AsyncIt
         nc = await connect(
             config.mesh.nats_url,
             name=f"genmesh-worker-{worker_id}",
-            inbox_prefix="_INBOX_worker",
+            # A decode worker reads its prefill stages' frames under a prefix of its own
+            # NATS user's (`decode`: deploy/nats/permissions.conf).
+            inbox_prefix="_INBOX_decode" if config.service.role == ROLE_DECODE else "_INBOX_worker",
             auth=config.auth,
         )
         stack.push_async_callback(drain_or_close, nc)
