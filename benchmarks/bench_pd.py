@@ -69,6 +69,8 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench_generate import loadavg, run_benchmark, say
+from genmesh.engines.base import disaggregating
+from genmesh.engines.mock import MockEngine
 from genmesh.shared.settings import parse
 from genmesh.supervisor import Supervisor, clean_environment, free_port, wait_http_ok
 from genmesh.up.config import UpConfig
@@ -266,26 +268,33 @@ def render(rows: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------- the systems
 
 
-def genmesh_has_pd() -> bool:
-    """Whether `genmesh up` takes the P/D mesh's flags (issue 14 item 1)."""
+def genmesh_pd_pending() -> str | None:
+    """Why genmesh cannot run a P/D mesh of mock workers yet, or None."""
     help_text = subprocess.run(
         [sys.executable, "-m", "genmesh", "up", "--help"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return "--prefill-workers" in help_text
+    if "--prefill-workers" not in help_text:
+        return "`genmesh up --help` has no --prefill-workers yet (issue 14, item 1)"
+    # What a worker of role prefill or decode checks before it starts.
+    if disaggregating(MockEngine()) is None:
+        return "the mock engine cannot take part in P/D yet (issue 14, item 5)"
+    return None
 
 
 def start_genmesh(args: argparse.Namespace, system: str, procs: Supervisor) -> Target:
     shape = ["--workers", "2"]
     if system == "genmesh-pd":
-        if not genmesh_has_pd():
-            raise Skipped(
-                "`genmesh up --help` has no --prefill-workers yet (issue 14, item 1): "
-                "the genmesh P/D row is pending"
-            )
-        shape = ["--prefill-workers", "1", "--decode-workers", "1"]
+        pending = genmesh_pd_pending()
+        if pending:
+            raise Skipped(f"{pending}: the genmesh P/D row is pending")
+        shape = [
+            "--prefill-workers", "1", "--decode-workers", "1",
+            "--mock-kv-bytes-per-token", str(args.kv_bytes_per_token),
+            "--mock-transfer-gbps", f"{args.transfer_gbps:g}",
+        ]  # fmt: skip
     port = free_port()
     # `up` gives its workers (no routers) one metrics port each, counting up from this.
     metrics_port = free_ports(GENMESH_WORKERS)[0]
@@ -336,23 +345,34 @@ def dynamo_env(peers_run: Path, nats_url: str) -> dict[str, str]:
 
 
 def dynamo_commands(
-    python: str, model: Path, system: str, speedup: float, http_port: int, bootstrap_port: int
+    python: str,
+    model: Path,
+    system: str,
+    args: argparse.Namespace,
+    http_port: int,
+    bootstrap_port: int,
 ) -> tuple[list[list[str]], list[str]]:
     """The mockers' command lines and the frontend's, for a Dynamo system. P/D follows
     Dynamo's own mocker example (examples/backends/mocker/deploy/disagg.yaml: one mocker
     per half, `--disaggregation-mode prefill|decode`); the frontend sees a prefill worker
     register and activates its PrefillRouter (prefill first, then decode with the
     prefill's KV handle), or, with a bootstrap port on the prefill mocker, sends both at
-    once and lets them meet there (SGLang's rendezvous)."""
+    once and lets them meet there (SGLang's rendezvous). A P/D mocker times the KV's
+    transfer as genmesh's mock does (bytes per prompt token over a bandwidth in GB/s);
+    left alone it would take this tiny model's 256 bytes per token."""
     mocker = [
         python, "-m", "dynamo.mocker", "--model-path", str(model),
-        "--model-name", DYNAMO_MODEL, "--speedup-ratio", f"{speedup:g}",
+        "--model-name", DYNAMO_MODEL, "--speedup-ratio", f"{args.speedup:g}",
         "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "nats",
         "--sglang-generate",
     ]  # fmt: skip
     if system == "dynamo-agg":
         mockers = [mocker, mocker]
     else:
+        mocker += [
+            "--kv-bytes-per-token", str(args.kv_bytes_per_token),
+            "--kv-transfer-bandwidth", f"{args.transfer_gbps:g}",
+        ]  # fmt: skip
         prefill = [*mocker, "--disaggregation-mode", "prefill"]
         if system == "dynamo-pd-bootstrap":
             prefill += ["--bootstrap-ports", str(bootstrap_port)]
@@ -374,7 +394,7 @@ def start_dynamo(args: argparse.Namespace, system: str, procs: Supervisor, workd
     nats_url = procs.start_nats()
     env = dynamo_env(workdir, nats_url)
     port = free_port()
-    mockers, frontend = dynamo_commands(str(python), model, system, args.speedup, port, free_port())
+    mockers, frontend = dynamo_commands(str(python), model, system, args, port, free_port())
     metrics_ports = free_ports(len(mockers))
     engines = []
     for i, argv in enumerate(mockers):
@@ -565,6 +585,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--speedup", type=float, default=1.0,
         help="genmesh's --mock-speedup and the mocker's --speedup-ratio (1 = real time)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131072,
+        help="P/D: the KV a prefill hands over per prompt token, for genmesh's mock and "
+        "Dynamo's mocker alike (default: the mock's, a Llama-3-8B fp16 token)",
+    )
+    p.add_argument(
+        "--transfer-gbps",
+        type=float,
+        default=50.0,
+        help="P/D: KV transfer bandwidth in GB/s, both systems (default: the mock's, 50)",
+    )
     p.add_argument("--up-args", default="", help="more `genmesh up` options (both genmesh rows)")
     p.add_argument(
         "--peers",

@@ -219,24 +219,34 @@ def test_the_table_shows_each_run_its_rows_and_ratios() -> None:
     assert len(lines) == 4
 
 
-def test_dynamo_pd_runs_one_mocker_per_half() -> None:
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_dynamo_pd_runs_one_mocker_per_half_transferring_as_genmesh_does() -> None:
+    args = bench_pd.parse_args(["--speedup", "2", "--kv-bytes-per-token", "4096"])
     mockers, frontend = bench_pd.dynamo_commands(
-        "py", Path("/m"), "dynamo-pd", 1.0, http_port=18000, bootstrap_port=20001
+        "py", Path("/m"), "dynamo-pd", args, http_port=18000, bootstrap_port=20001
     )
-    assert [m[m.index("--disaggregation-mode") + 1] for m in mockers] == ["prefill", "decode"]
+    assert [flag(m, "--disaggregation-mode") for m in mockers] == ["prefill", "decode"]
     assert "--bootstrap-ports" not in mockers[0]
-    assert all(m[m.index("--speedup-ratio") + 1] == "1" for m in mockers)
-    assert frontend[frontend.index("--http-port") + 1] == "18000"
-    assert frontend[frontend.index("--router-mode") + 1] == "round-robin"
+    for mocker in mockers:
+        assert flag(mocker, "--speedup-ratio") == "2"
+        assert flag(mocker, "--kv-bytes-per-token") == "4096"
+        assert flag(mocker, "--kv-transfer-bandwidth") == "50"
+    assert flag(frontend, "--http-port") == "18000"
+    assert flag(frontend, "--router-mode") == "round-robin"
     mockers, _ = bench_pd.dynamo_commands(
-        "py", Path("/m"), "dynamo-pd-bootstrap", 1.0, http_port=18000, bootstrap_port=20001
+        "py", Path("/m"), "dynamo-pd-bootstrap", args, http_port=18000, bootstrap_port=20001
     )
-    assert mockers[0][mockers[0].index("--bootstrap-ports") + 1] == "20001"
+    assert flag(mockers[0], "--bootstrap-ports") == "20001"
     mockers, _ = bench_pd.dynamo_commands(
-        "py", Path("/m"), "dynamo-agg", 1.0, http_port=18000, bootstrap_port=20001
+        "py", Path("/m"), "dynamo-agg", args, http_port=18000, bootstrap_port=20001
     )
     assert len(mockers) == 2
-    assert not any("--disaggregation-mode" in m for m in mockers)
+    for mocker in mockers:
+        assert "--disaggregation-mode" not in mocker
+        assert "--kv-transfer-bandwidth" not in mocker
 
 
 def test_metrics_ports_are_free_consecutive_and_fit_an_i16() -> None:
