@@ -10,12 +10,17 @@ engines each, both timed by the same polynomials in real time, `--speedup 1`):
 
   genmesh-agg   genmesh up --workers 2 --routers 0 --mock-speedup 1
   genmesh-pd    genmesh up --prefill-workers 1 --decode-workers 1 --routers 0 --mock-speedup 1
-                (skipped, saying so, while `genmesh up` has no --prefill-workers)
+                (skipped, saying so, while `genmesh up` has no --prefill-workers or the
+                mock cannot pair)
   dynamo-agg    dynamo.frontend + 2 x dynamo.mocker
   dynamo-pd     dynamo.frontend + dynamo.mocker --disaggregation-mode prefill
                                 + dynamo.mocker --disaggregation-mode decode
   dynamo-pd-bootstrap   as dynamo-pd, the prefill mocker with --bootstrap-ports: SGLang's
                 rendezvous, prefill and decode sent at once (not in the default set)
+
+The P/D mocks of both move the KV alike: --kv-bytes-per-token per prompt token at
+--transfer-gbps (genmesh's --mock-kv-bytes-per-token and --mock-transfer-gbps, the
+mocker's --kv-bytes-per-token and --kv-transfer-bandwidth).
 
 Dynamo runs from the peers' install (`--peers`, default /tmp/peers: `bash
 ../shared/peers/setup.sh` makes it) as `../shared/peers/kv_anchor.sh` runs it: file
