@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 import nats
 from nats.aio.msg import Msg
 
-from genmesh.engines import create_engine
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.frontend.serve import running_frontend
 from genmesh.services.router.config import RouterConfig
@@ -191,10 +190,7 @@ class InProcessMesh(FrontendView):
         config = worker_config(self.connection, wid, extra_args, **options)
 
         def running() -> contextlib.AbstractAsyncContextManager[Any]:
-            engine = create_engine(
-                config.engine, url=config.engine_url, mock=config.mock, kv_events=config.kv_events
-            )
-            return running_worker(config, engine)
+            return running_worker(config, config.new_engine())
 
         service = self._start("worker", wid, running)
         if wait and self.http_port:

@@ -160,12 +160,14 @@ class Mesh(FrontendView):
         *,
         wait: bool = True,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
         **options: Any,
     ) -> Service:
-        """A worker process; `options` as `worker_config` takes them."""
+        """A worker process; `options` as `worker_config` takes them, `env` over the
+        worker role's variables (a decode worker's own NATS user)."""
         wid = worker_id or new_worker_id()
         config = worker_config(self.connection, wid, extra_args, **options)
-        child = self.supervisor.spawn_genmesh(wid, config, env=self._env("worker"))
+        child = self.supervisor.spawn_genmesh(wid, config, env=self._env("worker", env))
         if wait and self.http_port:  # known to the frontend, which is what tests talk to
             self.wait_for_workers(lambda ids: wid in ids, what=f"worker {wid} to be known")
         elif wait:  # no frontend yet: announced in discovery

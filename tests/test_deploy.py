@@ -664,6 +664,49 @@ async def test_the_mesh_works_with_each_roles_credentials(
         assert "permissions violation" not in service.log().lower(), service.name
 
 
+@pytest.mark.process
+async def test_a_pd_mesh_pairs_with_each_roles_credentials(
+    secured_server: NatsServer, tmp_path: Path
+) -> None:
+    """A mock prefill worker (the worker user) and a mock decode worker (the decode user)
+    behind a frontend: the decode worker sends the stage and pulls the KV handle, the
+    prefill worker answers the pull (allow_responses), and nothing meets a refusal."""
+    mesh = Mesh(
+        secured_server.url,
+        tmp_path,
+        unique_namespace("secpd"),
+        role_env={"frontend": role_env("frontend"), "worker": role_env("worker")},
+    )
+    try:
+        mesh.add_worker("w-prefill", wait=False, extra_args=("--role", "prefill"))
+        mesh.add_worker(
+            "w-decode", wait=False, extra_args=("--role", "decode"), env=role_env("decode")
+        )
+        mesh.add_frontend()
+        mesh.wait_for_workers(lambda known: {"w-prefill", "w-decode"} <= known)
+        body = {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 20, "ignore_eos": True},
+        }
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(mesh.http_url + "/generate", json=body) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+        assert answer["meta_info"]["completion_tokens"] == 20
+
+        def both_ran_it() -> bool:
+            workers = mesh.server_info()["genmesh"]["workers"]
+            return [w["stats"]["admitted"] for w in workers] == [1, 1]
+
+        wait_until(both_ran_it, what="the request on w-decode and its stage on w-prefill")
+        for service in mesh.services:
+            assert "permissions violation" not in service.log().lower(), service.name
+    finally:
+        mesh.stop()
+
+
 async def frames_of(client: MeshClient, envelope: Any) -> list[dict[str, Any]]:
     return [frame async for frame in client.generate(envelope)]
 

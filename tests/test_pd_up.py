@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-from genmesh.engines.base import disaggregating
-from genmesh.engines.mock import MockConfig, MockEngine
 from tests.mesh import free_port
 from tests.test_cli import GENMESH, clean_env, up_summary
 
@@ -31,8 +29,6 @@ def get(url: str) -> Any:
 
 
 def test_up_runs_a_prefill_and_a_decode_worker(tmp_path: Path) -> None:
-    if disaggregating(MockEngine(MockConfig())) is None:
-        pytest.skip("the mock engine cannot take a P/D role on this branch (i14-pdmock)")
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
     argv = ["up", "--port", str(port), "--routers", "0"]

@@ -44,6 +44,7 @@ from genmesh.client import MeshClient, request
 from genmesh.client.tracing import attempt_span
 from genmesh.engines.base import EngineOutput
 from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.mock import MockEngine
 from genmesh.engines.sglang import SglangEngine
 from genmesh.engines.tracing import engine_call
 from genmesh.services.frontend.observers import RequestInfo
@@ -892,3 +893,68 @@ async def test_the_sampler_variables_decide_for_the_whole_mesh(
     finally:
         mesh.stop()
         receiver.close()
+
+
+@pytest.mark.inproc
+async def test_a_disaggregated_request_is_one_trace_of_both_halves(
+    nats_url: str, memory: InMemorySpanExporter
+) -> None:
+    """Frontend → decode worker → (its attempt) → prefill worker: one trace, each hop the
+    child of the one before, the worker spans saying their P/D part."""
+    namespace = unique_namespace("trpd")
+    subjects = Subjects(namespace)
+    nc = await connect(nats_url, name="trace-pd-test")
+    prefill = Worker(nc, subjects, MockEngine(), WorkerConfig("w-pre", role="prefill"))
+    decode = Worker(nc, subjects, MockEngine(), WorkerConfig("w-dec", role="decode"))
+    await prefill.start()
+    await decode.start()
+    frontend = await start_frontend(frontend_options(nats_url, namespace))
+    try:
+        await wait_for(
+            lambda: (
+                frontend.state.backend.not_ready_reason() is None
+                and decode.pd_decoder is not None
+                and "w-pre" in decode.pd_decoder.directory.workers
+            ),
+            what="discovery",
+        )
+        memory.clear()
+        header, trace_id, span_id = new_traceparent()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"http://127.0.0.1:{frontend.port}/generate",
+                json=sglang_body(),
+                headers={"traceparent": header},
+            ) as r,
+        ):
+            assert r.status == 200
+            await r.read()
+
+        def ours() -> list[ReadableSpan]:
+            return [
+                s for s in memory.get_finished_spans() if hexid(s.context.trace_id, 32) == trace_id
+            ]
+
+        await wait_for(lambda: len(by_kind(ours(), SpanKind.CONSUMER)) == 2, what="both halves")
+        spans = ours()
+        (server,) = by_kind(spans, SpanKind.SERVER)
+        workers = {
+            dict(s.attributes or {})["genmesh.worker"]: s for s in by_kind(spans, SpanKind.CONSUMER)
+        }
+        (stage_attempt,) = [
+            s for s in by_kind(spans, SpanKind.CLIENT) if s.name.startswith("send ")
+        ]
+        assert child_of(workers["w-dec"], server)
+        assert child_of(stage_attempt, workers["w-dec"])
+        assert child_of(workers["w-pre"], stage_attempt)
+        assert dict(workers["w-dec"].attributes or {})["genmesh.pd.role"] == "decode"
+        assert dict(workers["w-dec"].attributes or {})["genmesh.pd.prefill_worker"] == "w-pre"
+        assert dict(workers["w-pre"].attributes or {})["genmesh.pd.role"] == "prefill"
+        assert server.parent is not None
+        assert hexid(server.parent.span_id) == span_id
+    finally:
+        await frontend.close()
+        await decode.stop()
+        await prefill.stop()
+        await nc.drain()

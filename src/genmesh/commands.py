@@ -96,7 +96,6 @@ def cmd_router(config: RouterConfig) -> int:
 
 
 def cmd_worker(config: WorkerProcessConfig) -> int:
-    from genmesh.engines import create_engine
     from genmesh.services.worker.serve import serve_worker
     from genmesh.shared.lifecycle import configure_logging
 
@@ -105,9 +104,7 @@ def cmd_worker(config: WorkerProcessConfig) -> int:
         return _fail(wrong)
     configure_logging(config.mesh.log_level, f"worker[{worker_id}]")
     try:  # the settings are checked before connecting to anything
-        engine = create_engine(
-            config.engine, url=config.engine_url, mock=config.mock, kv_events=config.kv_events
-        )
+        engine = config.new_engine()
     except ValueError as exc:
         return _fail(str(exc))
     return _run_service(serve_worker(config, engine), config.mesh.event_loop)

@@ -200,12 +200,17 @@ async def frames_from(
         await nc.close()
 
 
+# Frame fields that hold one entry per token (routed experts: per position), split however
+# the outputs were cut.
+PER_TOKEN = ("tokens", "logprobs", "ranks", "top_logprobs", "token_ids_logprobs", "routed_experts")
+
+
 def folded(got: list[dict[str, Any]]) -> dict[str, Any]:
     """What a request's frames add up to, however the outputs were cut."""
     answer: dict[str, Any] = {}
     for frame in got[1:]:  # after the ack
         for key, value in frame.items():
-            if key in ("tokens", "logprobs", "ranks", "top_logprobs"):
+            if key in PER_TOKEN:
                 answer[key] = answer.get(key, []) + value
             elif key not in ("t", "id", "seq"):
                 assert key not in answer, f"{key} twice"

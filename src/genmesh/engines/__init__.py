@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from genmesh.engines.base import Engine
     from genmesh.engines.mock import MockConfig
+    from genmesh.engines.sglang_pd import BootstrapConfig
     from genmesh.engines.zmq_events import ZmqEventsConfig
 
 ENGINES = ("mock", "sglang", "vllm")
@@ -22,6 +23,7 @@ def create_engine(
     url: str | None = None,
     mock: MockConfig | None = None,
     kv_events: ZmqEventsConfig | None = None,
+    sglang_bootstrap: BootstrapConfig | None = None,
 ) -> Engine:
     if name == "mock":
         if kv_events is not None and kv_events.endpoint:
@@ -44,7 +46,7 @@ def create_engine(
     if name == "sglang":
         from genmesh.engines.sglang import SglangEngine
 
-        return SglangEngine(config)
+        return SglangEngine(config, sglang_bootstrap)
     from genmesh.engines.vllm import VllmEngine
 
     return VllmEngine(config)

@@ -18,6 +18,8 @@ from genmesh.shared.kv_events import KvEventBatch
 log = logging.getLogger(__name__)
 
 INCOMPLETE = "stream_incomplete"
+# An engine's answer that cannot be read: the engine still runs the request (abort it).
+MALFORMED = "malformed_response"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,14 @@ def incomplete(message: str) -> MeshError:
     return unavailable(message, reason=INCOMPLETE)
 
 
+def malformed(message: str) -> MeshError:
+    return unavailable(message, reason=MALFORMED)
+
+
+def is_malformed(error: MeshError) -> bool:
+    return error.detail.get("reason") == MALFORMED
+
+
 async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
     """Decoded `data:` payloads of an SSE response, `"[DONE]"` kept as the string."""
     data: list[bytes] = []
@@ -123,7 +133,7 @@ def _sse_payload(data: list[bytes]) -> Any:
     try:
         return orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
-        raise unavailable(f"engine sent an event that is not JSON: {exc}") from None
+        raise malformed(f"engine sent an event that is not JSON: {exc}") from None
 
 
 def error_message(body: bytes) -> tuple[str, str | None]:

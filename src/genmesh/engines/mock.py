@@ -13,25 +13,37 @@ by a speed-up factor; speed-up 0 means an instant engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import zlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 from genmesh import __version__
 from genmesh.codecs.int32 import all_below, to_le_bytes
 from genmesh.engines.base import EngineOutput, KvUsage, usage
 from genmesh.engines.kv_feed import KvEventFeed
+from genmesh.engines.kv_transfer import KvHandles, TransferFailed, pull_kv, serve_kv_pull
 from genmesh.engines.logit_bias import BIASED_LOGPROB_FORMATS, BiasedStep, read_logit_bias
 from genmesh.engines.prefix_cache import BlockPool, RequestBlocks
+from genmesh.shared.bus import unsubscribe_quietly
 from genmesh.shared.engine_info import SAMPLING_DEFAULT_KEYS, EngineInfo, sampling_defaults
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
+from genmesh.shared.ids import is_subject_token
 from genmesh.shared.kv_events import KvEventBatch, request_extra_keys
 from genmesh.shared.multimodal import FeaturesError, envelope_items
-from genmesh.shared.settings import non_negative_float, option, positive_int
+from genmesh.shared.settings import non_negative_float, option, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.subscription import Subscription
+
+    from genmesh.shared.subjects import Subjects
 
 _MASK = (1 << 64) - 1
 # The most top-logprob alternatives the mock reports per position (vLLM's default cap).
@@ -242,6 +254,36 @@ class MockConfig:
         help="give the mock a prefix cache (reported as cached_tokens, published as KV "
         "events, emptied by a flush); --mock-kv-blocks turns it on too",
     )
+    # Prefill/decode disaggregation (docs/disaggregation.md, "The mock's P/D"): what a
+    # prompt's KV weighs, how fast it moves to the decode worker, how long a prefill keeps
+    # it for its decode, how long a decode waits for it.
+    kv_bytes_per_token: int = option(
+        131_072,
+        flag="--mock-kv-bytes-per-token",
+        parse=positive_int,
+        help="P/D: KV bytes per prompt token a mock prefill hands over (default: a "
+        "Llama-3-8B fp16 token, 32 layers x 8 KV heads x 128 x K,V x 2 bytes)",
+    )
+    transfer_gbps: float = option(
+        50.0,
+        flag="--mock-transfer-gbps",
+        parse=non_negative_float,
+        help="P/D: KV transfer bandwidth in GB/s (default: one 400 Gb/s RDMA NIC), scaled "
+        "by --mock-speedup; 0 = instant (still one NATS round trip)",
+    )
+    pd_handle_ttl_s: float = option(
+        30.0,
+        flag="--mock-pd-handle-ttl",
+        parse=non_negative_float,
+        help="P/D: seconds a mock prefill keeps a KV handle no decode has pulled "
+        "(0: forgotten at once, so every decode fails: for tests)",
+    )
+    pd_transfer_timeout_s: float = option(
+        10.0,
+        flag="--mock-pd-transfer-timeout",
+        parse=positive_float,
+        help="P/D: seconds a mock decode waits for its prefill worker's answer to a KV pull",
+    )
     # The shape of the routed-expert rows it reports.
     moe_layers: int = 4
     moe_top_k: int = 2
@@ -267,6 +309,10 @@ class MockEngine:
             raise ValueError("eos_token_id must lie inside the vocabulary")
         if self.config.speedup < 0:
             raise ValueError("speedup must be >= 0")
+        if self.config.transfer_gbps < 0:
+            raise ValueError("transfer_gbps must be >= 0")
+        if not (self.config.pd_handle_ttl_s >= 0 and self.config.pd_transfer_timeout_s > 0):
+            raise ValueError("pd_handle_ttl_s must be >= 0, pd_transfer_timeout_s > 0")
         self.model = TokenModel(self.config.vocab_size)
         self.experts = ExpertModel(
             self.config.moe_layers, self.config.moe_top_k, self.config.moe_experts
@@ -284,12 +330,18 @@ class MockEngine:
         )
         # Every generation in progress (by envelope id), with the flag that aborts it.
         self._running: dict[str, asyncio.Event] = {}
+        # P/D: the KV handles its prefills keep, and the mesh they travel over.
+        self._handles = KvHandles(self.config.pd_handle_ttl_s)
+        self._pd: _PdLink | None = None
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
-        return None
+        if self._pd is not None:
+            await unsubscribe_quietly(self._pd.kv_pull)
+            self._pd = None
+        self._handles.close()
 
     async def healthy(self) -> bool:
         return True
@@ -303,12 +355,15 @@ class MockEngine:
         return True
 
     async def flush_cache(self) -> None:
-        """Empty the prefix cache; refused while requests run, as SGLang refuses."""
-        if self._running:
+        """Empty the prefix cache; refused while requests run, as SGLang refuses (a
+        prefill's KV held for its decode counts: SGLang's `Scheduler.is_fully_idle`,
+        which its flush requires, counts the disaggregation queues too,
+        python/sglang/srt/managers/scheduler.py)."""
+        pending = len(self._running) + len(self._handles)
+        if pending:
             raise MeshError(
                 ErrorCode.UNAVAILABLE,
-                f"Cache not flushed because there are pending requests "
-                f"(#running-req: {len(self._running)})",
+                f"Cache not flushed because there are pending requests (#running-req: {pending})",
             )
         if self.cache is not None:
             self.cache.clear()
@@ -427,31 +482,19 @@ class MockEngine:
             # Instant, but still a scheduling point: cancellation lands between tokens.
             await asyncio.sleep(0)
 
-    async def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
-        budget = self._check(env)
+    def generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+        return self._generation(env, self._prefill)
+
+    def _prompt_pass(self, env: Envelope) -> tuple[EngineOutput, int]:
+        """The prompt through the token model: the first output with what it reports of
+        the prompt (logprobs and routing rows, as asked), and the state after it."""
         model = self.model
         prompt = env.token_ids
-        want_lp = env.output.logprobs
         k = env.output.top_logprobs
         start = env.output.prompt_logprobs_start
         experts_from = env.output.routed_experts_start
         # The listed token IDs' logprobs at a position: SGLang's token_ids_logprob.
         listed = env.output.logprob_token_ids
-
-        # logit_bias changes the greedy pick; what logprobs show depends on the engine
-        # the format speaks: SGLang's are after the bias, vLLM's before (logit_bias.py).
-        # A bad one is refused here, before any output.
-        bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
-        biased_logprobs = bias is not None and env.format in BIASED_LOGPROB_FORMATS
-
-        def listed_at(at: int, step: BiasedStep | None = None) -> TopLogprobs:
-            if step is not None and bias is not None:
-                return [
-                    (tid, step.logprob(model.logprob(at, tid) + bias.get(tid, 0.0)))
-                    for tid in listed or ()
-                ]
-            return [(tid, model.logprob(at, tid)) for tid in listed or ()]
-
         state = initial_state(env.sampling.seed or 0)
         prompt_lps: list[float | None] = []
         prompt_ranks: list[int | None] = []
@@ -471,41 +514,74 @@ class MockEngine:
                 prompt_lps.append(lp)
                 prompt_ranks.append(rank)
                 prompt_tops.append(model.top(state, k) if k and i > start else None)
-                prompt_listed.append(listed_at(state) if listed and i > start else None)
+                prompt_listed.append(
+                    [(t, model.logprob(state, t)) for t in listed] if listed and i > start else None
+                )
             state = advance(state, tid)
             if experts_from is not None and i >= experts_from:
                 rows.append(self.experts.row(state))
+        first = EngineOutput(tokens=[])
+        if start is not None:
+            first.prompt_logprobs = prompt_lps
+            first.prompt_ranks = prompt_ranks
+            first.prompt_top_logprobs = prompt_tops if k else None
+            first.prompt_token_ids_logprobs = prompt_listed if listed else None
+        if experts_from is not None:
+            first.routed_experts = rows
+        return first, state
 
-        blocks: RequestBlocks | None = None
-        if self.cache is not None:
-            # Keys for every block the sequence may fill: an item in the prompt's last
-            # partial block keys the block its output completes too.
-            extra = request_extra_keys(env, self.config.block_size, len(prompt) + budget)
-            blocks = self.cache.open(prompt, extra)
-        cached = blocks.cached_tokens if blocks is not None else 0
-        aborted = self._running.setdefault(env.id, asyncio.Event())
-        kv = len(prompt)
-        self._active_kv_tokens += kv
+    async def _prefill(self, env: Envelope, run: _Run) -> tuple[EngineOutput, int]:
+        """The prompt's pass and its forward pass's time (from the tokens not found
+        cached): the first output and the state, as `_generation`'s `begin`."""
+        first, state = self._prompt_pass(env)
+        if self.config.speedup > 0:
+            # (An instant prefill is no scheduling point: the first token comes in the
+            # request's first step, and goes out with the worker's ack.)
+            await self._sleep_ms(prefill_ms(run.prompt_tokens - run.cached))
+        if run.blocks is not None:
+            run.blocks.prefilled()
+        first.cached_tokens = run.cached
+        return first, state
+
+    async def _generation(
+        self,
+        env: Envelope,
+        begin: Callable[[Envelope, _Run], Awaitable[tuple[EngineOutput, int]]],
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """One generation: refused before any output if it must be, brought to the end of
+        its prompt by `begin` (which gives the first output, with what it reports of the
+        prompt, and the token model's state there: `_prefill` runs the prompt, a decode
+        pulls it), then sampled token by token."""
+        budget = self._check(env)
+        # A bad logit_bias is refused here, before any output.
+        bias = read_logit_bias(env.format, env.engine, self.config.vocab_size)
+        run = _Run(self, env, budget)
+        # Output tokens in the KV accounting (`kv_usage` without a cache) until the end.
+        made = 0
         try:
-            if self.config.speedup > 0:
-                # (An instant prefill is no scheduling point: the first token comes in the
-                # request's first step, and goes out with the worker's ack.)
-                await self._sleep_ms(prefill_ms(len(prompt) - cached))
-            if blocks is not None:
-                blocks.prefilled()
-            first = EngineOutput(tokens=[], cached_tokens=cached)
-            if start is not None:
-                first.prompt_logprobs = prompt_lps
-                first.prompt_ranks = prompt_ranks
-                first.prompt_top_logprobs = prompt_tops if k else None
-                first.prompt_token_ids_logprobs = prompt_listed if listed else None
-            if experts_from is not None:
-                first.routed_experts = rows
+            first, state = await begin(env, run)
             if budget == 0:
-                first.finish = {"reason": "length"}
-                first.usage = usage(len(prompt), 0, cached)
-                yield first
+                yield _ends_after_prompt(first, run.prompt_tokens)
                 return
+            model = self.model
+            prompt_len = run.prompt_tokens
+            cached = first.cached_tokens or 0
+            want_lp = env.output.logprobs
+            k = env.output.top_logprobs
+            experts_from = env.output.routed_experts_start
+            listed = env.output.logprob_token_ids
+            blocks = run.blocks
+            # logit_bias changes the greedy pick; what logprobs show depends on the engine
+            # the format speaks: SGLang's are after the bias, vLLM's before (logit_bias.py).
+            biased_logprobs = bias is not None and env.format in BIASED_LOGPROB_FORMATS
+
+            def listed_at(at: int, step: BiasedStep | None) -> TopLogprobs:
+                if step is not None and bias is not None:
+                    return [
+                        (tid, step.logprob(model.logprob(at, tid) + bias.get(tid, 0.0)))
+                        for tid in listed or ()
+                    ]
+                return [(tid, model.logprob(at, tid)) for tid in listed or ()]
 
             stops = set(env.sampling.stop_token_ids)
             eos = self.config.eos_token_id
@@ -530,10 +606,10 @@ class MockEngine:
                     # over its capacity).
                     held = self.kv_usage()
                     await self._sleep_ms(decode_step_ms(held.used_blocks / held.total_blocks))
-                if aborted.is_set():
+                if run.aborted.is_set():
                     # SGLang's finish for a request /abort_request stopped while running.
                     out.finish = {"reason": "abort", "message": "Aborted"}
-                    out.usage = usage(len(prompt), n, cached)
+                    out.usage = usage(prompt_len, n, cached)
                     if blocks is not None:
                         blocks.extend(out.tokens)
                     yield out
@@ -587,7 +663,7 @@ class MockEngine:
                     expert_rows.append(self.experts.row(state))
                 state = advance(state, token)
                 self._active_kv_tokens += 1
-                kv += 1
+                made += 1
                 finish: Finish | None = None
                 if n >= min_tokens and token == eos and not ignore_eos:
                     finish = {"reason": "eos", "matched": token}
@@ -597,15 +673,218 @@ class MockEngine:
                     finish = {"reason": "length"}
                 if finish is not None:
                     out.finish = finish
-                    out.usage = usage(len(prompt), n + 1, cached)
+                    out.usage = usage(prompt_len, n + 1, cached)
                     if blocks is not None:
                         blocks.extend(out.tokens)
                     yield out
                     return
         finally:
-            self._active_kv_tokens -= kv
-            if self._running.get(env.id) is aborted:
-                del self._running[env.id]
+            self._active_kv_tokens -= made
+            run.end()
+
+    # -- prefill/decode disaggregation (docs/disaggregation.md, "The mock's P/D") -------
+
+    pd_kind = "mock"
+    # The decode half starts once the prefill has handed its KV handle over.
+    pd_concurrent = False
+
+    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+        """Serve this engine's KV handles on its worker's kv_pull subject, and pull from
+        other workers' (until `close`)."""
+        if self._pd is not None:
+            raise RuntimeError("the mock is attached to a mesh already")
+        sub = await serve_kv_pull(nc, subjects.worker_kv_pull(worker_id), self._handles)
+        self._pd = _PdLink(nc, subjects, worker_id, sub)
+
+    def pd_card(self) -> dict[str, Any]:
+        # `handles`: the KV handles held now (what a test reads to find leaks).
+        return {"local_prefill": True, "handles": len(self._handles)}
+
+    def pd_ticket(self, envelope: Envelope, prefill: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    async def prefill(
+        self, env: Envelope, ticket: dict[str, Any]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The prompt run as `generate` runs it, ending after the prompt with a KV handle
+        for the decode half (none with a budget of 0: that answer is complete)."""
+        budget = self._check(env)
+        read_logit_bias(env.format, env.engine, self.config.vocab_size)
+        link = self._link() if budget else None
+        run = _Run(self, env, budget)
+        try:
+            first, state = await self._prefill(env, run)
+            if link is not None:
+                if run.aborted.is_set():
+                    # An aborted prefill has no KV to hand over: its decode must not start.
+                    raise MeshError(ErrorCode.UNAVAILABLE, "the prefill was aborted")
+                tokens = run.prompt_tokens
+                payload = {
+                    "prompt": _prompt_digest(env),
+                    "state": state,
+                    "cached_tokens": run.cached,
+                    "bytes": tokens * self.config.kv_bytes_per_token,
+                }
+                handle = self._handles.keep(payload, run.hand_over())
+                first.handoff = {
+                    "worker": link.worker_id,
+                    "handle": handle,
+                    "bytes": payload["bytes"],
+                }
+            yield _ends_after_prompt(first, run.prompt_tokens)
+        finally:
+            run.end()
+
+    def decode(
+        self, env: Envelope, ticket: dict[str, Any], handoff: dict[str, Any] | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """What `generate` gives after the prompt, from the state the prefill's KV handle
+        holds, pulled from its worker (`MeshError` unavailable when that fails)."""
+        return self._generation(env, functools.partial(self._pulled, handoff))
+
+    async def _pulled(
+        self, handoff: dict[str, Any] | None, env: Envelope, run: _Run
+    ) -> tuple[EngineOutput, int]:
+        """A decode's `begin`: the prompt's KV pulled from the prefill's worker, after the
+        time its bytes take over the link. Dynamo's mocker times a P/D handoff so too:
+        bytes per token x the whole prompt / bandwidth (lib/mocker/src/common/handoff.rs,
+        `HandoffTransferTiming`; 1.6.1's `--kv-bytes-per-token`, `--kv-transfer-bandwidth`
+        in GB/s and its default `--kv-transfer-timing-mode full_prompt`, dynamo/mocker/args.py)."""
+        link = self._link()
+        worker, handle = _handle_of(handoff)
+        payload = await self._pull(link, worker, handle, env)
+        if self.config.transfer_gbps > 0:
+            await self._sleep_ms(payload.bytes / self.config.transfer_gbps / 1e6)
+        if run.blocks is not None:
+            # The transferred blocks are computed here now, and cached as a prefill's.
+            run.blocks.prefilled()
+        return EngineOutput(tokens=[], cached_tokens=payload.cached_tokens), payload.state
+
+    def _link(self) -> _PdLink:
+        if self._pd is None:
+            raise MeshError(
+                ErrorCode.INTERNAL, "the mock takes part in P/D only on a prefill or decode worker"
+            )
+        return self._pd
+
+    async def _pull(self, link: _PdLink, worker: str, handle: str, env: Envelope) -> _Payload:
+        subject = link.subjects.worker_kv_pull(worker)
+        try:
+            answer = await pull_kv(link.nc, subject, handle, self.config.pd_transfer_timeout_s)
+            payload = _Payload.read(answer)
+            if payload.prompt != _prompt_digest(env):
+                raise TransferFailed(f"KV handle {handle!r} holds another prompt's KV")
+        except TransferFailed as exc:
+            raise MeshError(
+                ErrorCode.UNAVAILABLE, f"KV transfer failed: {exc} (prefill worker {worker})"
+            ) from None
+        return payload
+
+
+def _ends_after_prompt(first: EngineOutput, prompt_tokens: int) -> EngineOutput:
+    """`first` as the last output of a generation that stops after its prompt."""
+    first.finish = {"reason": "length"}
+    first.usage = usage(prompt_tokens, 0, first.cached_tokens or 0)
+    return first
+
+
+class _Run:
+    """One request's hold on the engine, from its admission to its `end`: the flag that
+    aborts it, its prompt in the KV accounting (`kv_usage` without a cache), and its blocks
+    in the prefix cache. A prefill hands its KV over to a handle (`hand_over`) that
+    outlives it."""
+
+    __slots__ = ("_engine", "_id", "_kv", "aborted", "blocks", "cached", "prompt_tokens")
+
+    def __init__(self, engine: MockEngine, env: Envelope, budget: int) -> None:
+        self._engine = engine
+        self._id = env.id
+        self.prompt_tokens = len(env.token_ids)
+        self.blocks: RequestBlocks | None = None
+        if engine.cache is not None:
+            # Keys for every block the sequence may fill: an item in the prompt's last
+            # partial block keys the block its output completes too.
+            extra = request_extra_keys(env, engine.config.block_size, self.prompt_tokens + budget)
+            self.blocks = engine.cache.open(env.token_ids, extra)
+        self.cached = self.blocks.cached_tokens if self.blocks is not None else 0
+        self.aborted = engine._running.setdefault(env.id, asyncio.Event())
+        self._kv = self.prompt_tokens
+        engine._active_kv_tokens += self._kv
+
+    def hand_over(self) -> Callable[[], None]:
+        """Keep the request's KV past its end; the call returned frees it."""
+        engine, kv, blocks = self._engine, self._kv, self.blocks
+        self._kv, self.blocks = 0, None
+
+        def free() -> None:
+            engine._active_kv_tokens -= kv
             if blocks is not None:
-                # What it cached stays cached, free to be evicted.
                 blocks.release()
+
+        return free
+
+    def end(self) -> None:
+        engine = self._engine
+        engine._active_kv_tokens -= self._kv
+        self._kv = 0
+        if engine._running.get(self._id) is self.aborted:
+            del engine._running[self._id]
+        if self.blocks is not None:
+            # What it cached stays cached, free to be evicted.
+            self.blocks.release()
+            self.blocks = None
+
+
+@dataclass(frozen=True, slots=True)
+class _PdLink:
+    """The mesh a P/D mock is attached to (`pd_attach`)."""
+
+    nc: Client
+    subjects: Subjects
+    worker_id: str
+    kv_pull: Subscription
+
+
+@dataclass(frozen=True, slots=True)
+class _Payload:
+    """What a KV handle carries to the decode: the token model's state after the prompt
+    (all the decode needs to continue exactly), a digest of the prompt it was made for,
+    the prefill's cached tokens, and the KV's size in bytes."""
+
+    prompt: str
+    state: int
+    cached_tokens: int
+    bytes: int
+
+    @classmethod
+    def read(cls, answer: dict[str, Any]) -> _Payload:
+        prompt, state, cached, size = (
+            answer.get(name) for name in ("prompt", "state", "cached_tokens", "bytes")
+        )
+        if (
+            isinstance(prompt, str)
+            and isinstance(state, int)
+            and isinstance(cached, int)
+            and isinstance(size, int)
+            and min(state, cached, size) >= 0
+        ):
+            return cls(prompt, state, cached, size)
+        raise TransferFailed(f"an unreadable answer: {answer!r}")
+
+
+def _prompt_digest(env: Envelope) -> str:
+    """What a KV handle was made for: the seed and the prompt (the state's inputs)."""
+    seed = ((env.sampling.seed or 0) & _MASK).to_bytes(8, "little")
+    return xxhash.xxh3_128_hexdigest(seed + to_le_bytes(env.token_ids))
+
+
+def _handle_of(handoff: dict[str, Any] | None) -> tuple[str, str]:
+    """The prefill worker and handle a handoff names."""
+    worker = handoff.get("worker") if handoff else None
+    handle = handoff.get("handle") if handoff else None
+    # (A worker id is one subject token: never a wildcard to publish the pull to.)
+    if not (isinstance(worker, str) and is_subject_token(worker) and isinstance(handle, str)):
+        raise MeshError(
+            ErrorCode.UNAVAILABLE, f"KV transfer failed: no KV handle in the handoff {handoff!r}"
+        )
+    return worker, handle

@@ -14,30 +14,45 @@ connection failures and timeouts are `unavailable` (retryable); a terminal abort
 any token (prefill) is an error (`invalid_argument` with a 4xx `status_code`, else
 `internal`), while on decode a plain abort with no `status_code` and no `err_type` is a
 cancellation (finish reason `abort`); a stream that ends before its terminal chunk is
-`unavailable` with reason `stream_incomplete`.
+`unavailable` with reason `stream_incomplete`. A response that cannot be read (an event
+that is not JSON, fields of the wrong shape, an invalid routed-experts blob) is
+`unavailable` with reason `malformed_response`, and the request is aborted on the server
+(the seed's "malformed decode responses trigger cancellation").
+
+Prefill/decode disaggregation (docs/disaggregation.md, "SGLang"): both halves send the body
+`generate` sends plus the bootstrap triple of the request's ticket (`sglang_pd`), each to
+its own server, at once. The prefill half answers the prompt's side (prompt logprobs, the
+prompt's expert rows, cached tokens); the decode half answers the generation, its first
+token (sampled by prefill) included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
+import re
 import secrets
 import struct
 from collections.abc import AsyncGenerator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from genmesh.engines.base import EngineOutput
+from genmesh.engines.base import EngineOutput, usage
 from genmesh.engines.http import (
     HttpEngineBase,
     HttpEngineConfig,
     http_error,
     incomplete,
+    is_malformed,
+    malformed,
     sse_events,
     unavailable,
 )
+from genmesh.engines.sglang_pd import BootstrapConfig, bootstrap_fields, expert_rows, new_ticket
 from genmesh.engines.tracing import engine_call
 from genmesh.shared import tracing
 from genmesh.shared.engine_info import EngineInfo, sampling_defaults
@@ -45,6 +60,11 @@ from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
 from genmesh.shared.multimodal import FeaturesError, envelope_items
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +167,14 @@ def _positive(value: Any) -> int | None:
 
 
 def _int32(text: Any) -> list[int]:
-    raw = base64.b64decode(text)
+    """SGLang's routed-experts blob: base64 of little-endian int32s. ValueError (or
+    TypeError, struct.error) when it is not one."""
+    raw = base64.b64decode(text, validate=True)
     return list(struct.unpack(f"<{len(raw) // 4}i", raw))
+
+
+# What reading an event's fields raises when they do not have SGLang's shapes.
+_SHAPE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, struct.error)
 
 
 def _tops(rows: Any) -> list[TopLogprobs | None]:
@@ -186,11 +212,29 @@ class _Cursor:
         return new
 
 
+@dataclass(slots=True)
+class _Half:
+    """One half of a disaggregated request, as its stream is read: SGLang's routed-experts
+    blob is collected (and judged once complete) rather than handed on as it comes."""
+
+    prefill: bool
+    experts: list[int] = field(default_factory=list)
+    experts_valid: bool = True
+
+
 class SglangEngine(HttpEngineBase):
     name = "sglang"
+    # Prefill/decode disaggregation (engines/base.py `Disaggregating`): the two servers pair
+    # by the bootstrap room, so both halves run at once.
+    pd_kind = "sglang"
+    pd_concurrent = True
 
-    def __init__(self, config: HttpEngineConfig) -> None:
+    def __init__(self, config: HttpEngineConfig, bootstrap: BootstrapConfig | None = None) -> None:
         super().__init__(config)
+        self.bootstrap = bootstrap or BootstrapConfig()
+        # P/D halves whose routed-experts blob was invalid or incomplete, so left out
+        # (for the worker's genmesh_pd_experts_omitted_total).
+        self.pd_experts_omitted = 0
         # Learnt from the server by healthy(); forgotten while it is down.
         self._server_info: dict[str, Any] = {}
         self._model_len: Any = None
@@ -306,9 +350,15 @@ class SglangEngine(HttpEngineBase):
         # With tracing on: under an HTTP client span, which the server hears of (traceparent).
         return engine_call(self._generate(env), self.name, self.config.url, "/generate")
 
-    async def _generate(self, env: Envelope) -> AsyncGenerator[EngineOutput, None]:
+    async def _generate(
+        self, env: Envelope, half: _Half | None = None, bootstrap: dict[str, Any] | None = None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """`env` on the server; as one half of a disaggregated request when `half` is given,
+        with `bootstrap`'s fields in the body."""
         rid = new_dispatch_rid()
         body = sglang_body(env, rid)
+        if bootstrap is not None:
+            body |= bootstrap
         self._rids[env.id] = rid
         # Once the POST starts the engine may know the rid: from then on, leaving early
         # (a cancel) must abort it. Every way of ending that the engine knows sets done.
@@ -329,18 +379,21 @@ class SglangEngine(HttpEngineBase):
                 if response.status != 200:
                     done = True
                     raise await http_error(response, "SGLang")
-                stops = _emulated_stops(env)
+                # A prefill's token is not the answer's: decode delivers (and stops) it.
+                stops = set() if half is not None and half.prefill else _emulated_stops(env)
                 delivered = 0
                 try:
-                    async for out in self._read(response, env, rid):
+                    async for out in self._read(response, env, rid, half):
                         if stops and out.finish is None and _stop_here(out, stops, env, delivered):
                             yield out  # ends at a stop token SGLang would not see:
                             return  # done stays unset, so the engine's run is aborted
                         delivered += len(out.tokens)
                         done = out.finish is not None
                         yield out
-                except MeshError:
-                    done = True  # the engine ended this request itself
+                except MeshError as exc:
+                    # The engine ended this request itself, unless its answer was
+                    # unreadable: then it still runs it, and must be aborted.
+                    done = not is_malformed(exc)
                     raise
                 except aiohttp.ClientPayloadError as exc:
                     done = True
@@ -361,65 +414,189 @@ class SglangEngine(HttpEngineBase):
                 await asyncio.shield(self._abort(rid))
 
     async def _read(
-        self, response: aiohttp.ClientResponse, env: Envelope, rid: str
+        self, response: aiohttp.ClientResponse, env: Envelope, rid: str, half: _Half | None
     ) -> AsyncGenerator[EngineOutput, None]:
         cursor = _Cursor(self._incremental())
-        wants = env.output
         async for event in sse_events(response):
             if event == "[DONE]":
                 raise incomplete("SGLang /generate finished without a terminal response")
-            if not isinstance(event, dict):
-                raise unavailable(f"SGLang sent an unexpected event: {str(event)[:200]}")
-            if "error" in event:
-                error = event["error"]
-                message = str(error.get("message") if isinstance(error, dict) else error)
-                code = ErrorCode.UNAVAILABLE if cursor.delivered else ErrorCode.INVALID_ARGUMENT
-                raise MeshError(code, message)
-            meta = event.get("meta_info") or {}
-            delivered = cursor.delivered
-            ids = event.get("output_ids") or []
-            total = meta.get("completion_tokens")
-            if not isinstance(total, int):
-                total = delivered + len(ids)
-            out = EngineOutput(tokens=list(cursor.delta(ids, total)))
-            if wants.logprobs and "output_token_logprobs" in meta:
-                triples = cursor.delta(meta["output_token_logprobs"] or [], total)
-                out.logprobs = [t[0] for t in triples]
-                if wants.top_logprobs:
-                    rows = cursor.delta(meta.get("output_top_logprobs") or [], total)
-                    out.top_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
-                if wants.logprob_token_ids:
-                    rows = cursor.delta(meta.get("output_token_ids_logprobs") or [], total)
-                    out.token_ids_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
-            if not delivered:
-                out.cached_tokens = int(meta.get("cached_tokens") or 0)
-                if wants.prompt_logprobs_start is not None:
-                    out.prompt_logprobs = [t[0] for t in meta.get("input_token_logprobs") or []]
-                    if wants.top_logprobs:
-                        out.prompt_top_logprobs = _tops(meta.get("input_top_logprobs") or [])
-                    if wants.logprob_token_ids:
-                        out.prompt_token_ids_logprobs = _tops(
-                            meta.get("input_token_ids_logprobs") or []
-                        )
-            if wants.routed_experts_start is not None and meta.get("routed_experts"):
-                out.routed_experts = [cursor.expert_delta(_int32(meta["routed_experts"]))]
-            extras = {k: v for k, v in meta.items() if k not in _MAPPED_META}
-            if extras:
-                out.engine = {"meta_info": extras}
-            cursor.delivered += len(out.tokens)
-            finish = meta.get("finish_reason")
-            if finish is not None:
-                out.finish = _finish(finish, cursor.delivered, rid in self._aborted)
-                out.usage = {
-                    "prompt_tokens": int(meta.get("prompt_tokens") or len(env.token_ids)),
-                    "completion_tokens": cursor.delivered,
-                    "cached_tokens": int(meta.get("cached_tokens") or 0),
-                }
+            try:
+                out = self._output(event, cursor, env, rid, half)
+            except _SHAPE_ERRORS as exc:
+                raise malformed(f"SGLang sent a malformed response: {exc!r}") from None
+            if out is not None:
                 yield out
-                return
-            if out.tokens or out.prompt_logprobs is not None:
-                yield out
+                if out.finish is not None:
+                    return
         raise incomplete("SGLang /generate closed before a terminal response")
+
+    def _output(
+        self, event: Any, cursor: _Cursor, env: Envelope, rid: str, half: _Half | None
+    ) -> EngineOutput | None:
+        """One event as an output (None if it brings nothing new); raises the error it
+        reports, or a shape error when it is not SGLang's."""
+        if not isinstance(event, dict):
+            raise TypeError(f"an event that is not an object: {str(event)[:200]}")
+        wants = env.output
+        if "error" in event:
+            error = event["error"]
+            message = str(error.get("message") if isinstance(error, dict) else error)
+            code = ErrorCode.UNAVAILABLE if cursor.delivered else ErrorCode.INVALID_ARGUMENT
+            raise MeshError(code, message)
+        meta = event.get("meta_info") or {}
+        delivered = cursor.delivered
+        ids = event.get("output_ids") or []
+        total = meta.get("completion_tokens")
+        if not isinstance(total, int):
+            total = delivered + len(ids)
+        out = EngineOutput(tokens=list(cursor.delta(ids, total)))
+        if wants.logprobs and "output_token_logprobs" in meta:
+            triples = cursor.delta(meta["output_token_logprobs"] or [], total)
+            out.logprobs = [t[0] for t in triples]
+            if wants.top_logprobs:
+                rows = cursor.delta(meta.get("output_top_logprobs") or [], total)
+                out.top_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
+            if wants.logprob_token_ids:
+                rows = cursor.delta(meta.get("output_token_ids_logprobs") or [], total)
+                out.token_ids_logprobs = [[(t[1], t[0]) for t in row or []] for row in rows]
+        if not delivered:
+            out.cached_tokens = int(meta.get("cached_tokens") or 0)
+            if wants.prompt_logprobs_start is not None:
+                out.prompt_logprobs = [t[0] for t in meta.get("input_token_logprobs") or []]
+                if wants.top_logprobs:
+                    out.prompt_top_logprobs = _tops(meta.get("input_top_logprobs") or [])
+                if wants.logprob_token_ids:
+                    out.prompt_token_ids_logprobs = _tops(
+                        meta.get("input_token_ids_logprobs") or []
+                    )
+        if wants.routed_experts_start is not None and meta.get("routed_experts"):
+            _experts(out, meta["routed_experts"], cursor, half)
+        extras = {k: v for k, v in meta.items() if k not in _MAPPED_META}
+        if extras:
+            out.engine = {"meta_info": extras}
+        cursor.delivered += len(out.tokens)
+        finish = meta.get("finish_reason")
+        if finish is not None:
+            # A prefill's token is no output: an abort ends it as one before any token.
+            before = 0 if half is not None and half.prefill else cursor.delivered
+            out.finish = _finish(finish, before, rid in self._aborted)
+            out.usage = {
+                "prompt_tokens": int(meta.get("prompt_tokens") or len(env.token_ids)),
+                "completion_tokens": cursor.delivered,
+                "cached_tokens": int(meta.get("cached_tokens") or 0),
+            }
+            return out
+        return out if out.tokens or out.prompt_logprobs is not None else None
+
+    # ------------------------------------------------ prefill/decode disaggregation
+
+    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+        """Nothing to attach: SGLang's servers move the KV between themselves."""
+
+    def pd_card(self) -> dict[str, Any]:
+        """A prefill server's bootstrap address; a decode-mode server refuses a request
+        without a room, so a decode worker cannot run one alone."""
+        host, port = self.bootstrap.address(self.config.url, self._server_info)
+        return {"local_prefill": False, "bootstrap_host": host, "bootstrap_port": port}
+
+    def pd_ticket(self, envelope: Envelope, prefill: dict[str, Any]) -> dict[str, Any]:
+        return new_ticket(prefill)
+
+    def prefill(
+        self, envelope: Envelope, ticket: dict[str, Any]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        return engine_call(self._prefill(envelope, ticket), self.name, self.config.url, "/generate")
+
+    async def _prefill(
+        self, env: Envelope, ticket: dict[str, Any]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The prompt's side, as one output: prompt logprobs, the prompt's expert rows,
+        cached tokens, finish `length` and usage with no completion token. SGLang's prefill
+        also samples the first token, but the decode server delivers it (§C.1)."""
+        half = _Half(prefill=True)
+        fields = bootstrap_fields(ticket, nothing_to_decode=env.sampling.max_tokens == 0)
+        outputs = [out async for out in self._generate(env, half, fields)]
+        first, last = outputs[0], outputs[-1]  # _read ends with a finish, or raises
+        cached = first.cached_tokens or 0
+        result = EngineOutput(
+            tokens=[],
+            cached_tokens=cached,
+            prompt_logprobs=first.prompt_logprobs,
+            prompt_top_logprobs=first.prompt_top_logprobs,
+            prompt_token_ids_logprobs=first.prompt_token_ids_logprobs,
+            usage=usage(len(env.token_ids), 0, cached),
+        )
+        assert last.finish is not None
+        # A normal end (SGLang's `length 0` once the KV is taken) is the prompt's length
+        # finish; an abort here is one this adapter asked for (any other raised).
+        result.finish = last.finish if last.finish["reason"] == "abort" else {"reason": "length"}
+        start = env.output.routed_experts_start
+        if start is not None:
+            rows = len(env.token_ids) - start
+            result.routed_experts = self._pd_rows(half, rows, rows, "prefill")
+            if env.sampling.max_tokens == 0 and result.routed_experts:
+                # The answer itself: SGLang's blob covers [start, seqlen - 1), and with no
+                # output token that leaves out the prompt's last position.
+                result.routed_experts.pop()
+        yield result
+
+    def decode(
+        self, envelope: Envelope, ticket: dict[str, Any], handoff: dict[str, Any] | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        return engine_call(self._decode(envelope, ticket), self.name, self.config.url, "/generate")
+
+    async def _decode(
+        self, env: Envelope, ticket: dict[str, Any]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The generation, as `generate` reads it, every token included (the first comes
+        from the prefill through the server), without what prefill computed: prompt
+        logprobs, and the prompt's expert rows (decode's blob covers the prompt too, but
+        only its own forward passes, one per token but the last, are decode's)."""
+        half = _Half(prefill=False)
+        fields = bootstrap_fields(ticket, nothing_to_decode=False)
+        start = env.output.routed_experts_start
+        delivered = 0
+        async with contextlib.aclosing(self._generate(env, half, fields)) as outputs:
+            async for out in outputs:
+                out.prompt_logprobs = out.prompt_top_logprobs = None
+                out.prompt_token_ids_logprobs = None
+                if not out.tokens and out.finish is None:
+                    continue
+                delivered += len(out.tokens)
+                if start is not None and out.finish is not None:
+                    own = max(delivered - 1, 0)
+                    total = len(env.token_ids) - start + own
+                    out.routed_experts = self._pd_rows(half, total, own, "decode")
+                yield out
+
+    def _pd_rows(self, half: _Half, total: int, keep: int, which: str) -> list[list[int]] | None:
+        """The last `keep` of the `total` expert rows of a half's blob; None (counted) when
+        the blob is invalid or incomplete: omitted whole, never passed on half."""
+        rows = expert_rows(half.experts if half.experts_valid else None, total, keep)
+        if rows is None:
+            self.pd_experts_omitted += 1
+            # Routine with engines that leave P/D expert data incomplete: counted, not warned.
+            log.debug(
+                "SGLang's %s routed experts left out: %s blob, %d rows expected",
+                which,
+                "an invalid" if not half.experts_valid else f"a {len(half.experts)}-value",
+                total,
+            )
+        return rows
+
+
+def _experts(out: EngineOutput, blob: Any, cursor: _Cursor, half: _Half | None) -> None:
+    """An event's routed-experts blob: on `out` for a whole request (an invalid one is a
+    malformed response); collected by a P/D half, which omits an invalid one."""
+    if half is None:
+        out.routed_experts = [cursor.expert_delta(_int32(blob))]
+        return
+    try:
+        values = _int32(blob)
+    except _SHAPE_ERRORS:
+        half.experts_valid = False
+        return
+    half.experts.extend(cursor.expert_delta(values))
 
 
 _SSE = {"Accept": "text/event-stream"}
@@ -452,6 +629,12 @@ def _stop_here(out: EngineOutput, stops: set[int], env: Envelope, delivered: int
     return False
 
 
+# SGLang's P/D failures: disaggregation/prefill.py ("Prefill bootstrap failed", "Prefill
+# transfer failed"), decode.py ("Decode transfer failed"), each "with exception
+# KVTransferError(...)" of its transfer backend (mooncake/conn.py).
+_TRANSFER_FAILED = re.compile(r"(?:bootstrap|transfer) failed|KVTransferError")
+
+
 def _finish(finish: Any, delivered: int, aborted: bool = False) -> Finish:
     """SGLang's finish reason as genmesh's, or the error it stands for. `aborted`: the
     adapter asked SGLang to abort this request, so a plain abort is the end it asked
@@ -471,8 +654,16 @@ def _finish(finish: Any, delivered: int, aborted: bool = False) -> Finish:
     detail = {"status_code": status, "err_type": err_type}
     if isinstance(status, int) and 400 <= status < 500:
         raise MeshError(ErrorCode.INVALID_ARGUMENT, message, detail=detail)
+    if isinstance(status, int) and status >= 500 and _TRANSFER_FAILED.search(message):
+        # P/D: the KV never moved between prefill and decode (a timeout, a dead peer):
+        # another pair may well succeed.
+        raise MeshError(
+            ErrorCode.UNAVAILABLE,
+            f"SGLang's KV transfer between prefill and decode failed: {message}",
+            detail={**detail, "reason": "kv_transfer_failed"},
+        )
     if isinstance(status, int) and status >= 500:
-        # The engine failed (queue full, transfer failed): as with an HTTP 5xx, retry.
+        # The engine failed (queue full): as with an HTTP 5xx, retry.
         raise MeshError(
             ErrorCode.UNAVAILABLE, f"SGLang ended the request: {message}", detail=detail
         )

@@ -166,6 +166,13 @@ def non_negative_float(text: str) -> float:
     return number
 
 
+def positive_float(text: str) -> float:
+    number = float(text)
+    if not number > 0:  # NaN too
+        raise ValueError(text)
+    return number
+
+
 def token_ids(text: str) -> tuple[int, ...]:
     """`1,2,3` (spaces allowed)."""
     return tuple(int(part) for part in text.replace(" ", "").split(",") if part)

@@ -39,6 +39,11 @@ class Subjects:
         missed some (`shared/kv_events.KvSnapshotPage`)."""
         return f"{self.prefix}.worker.{worker_id}.kv_snapshot"
 
+    def worker_kv_pull(self, worker_id: str) -> str:
+        """Answered by a prefill worker whose engine hands its KV over the mesh (the mock):
+        a decode worker takes a KV handle here (`engines/kv_transfer.py`)."""
+        return f"{self.prefix}.worker.{worker_id}.kv_pull"
+
     def kv_events(self, worker_id: str) -> str:
         """A worker's engine's KV cache events (`shared/kv_events.KvEventsMessage`)."""
         return f"{self.prefix}.kv.{worker_id}"

@@ -8,15 +8,20 @@ whole `genmesh worker` process: that, its engine, its NATS connection and metric
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from genmesh.engines import ENGINES
+from genmesh.engines import ENGINES, create_engine
 from genmesh.engines.base import ROLE_BOTH, ROLES
 from genmesh.engines.mock import MockConfig
+from genmesh.engines.sglang_pd import BootstrapConfig
 from genmesh.engines.zmq_events import ZmqEventsConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
 from genmesh.shared.settings import group, non_negative_float, option, positive_int
+
+if TYPE_CHECKING:
+    from genmesh.engines.base import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,9 @@ class WorkerProcessConfig:
     kv_events: ZmqEventsConfig = group(
         ZmqEventsConfig(), title="KV events of an SGLang/vLLM server (its --kv-events-config)"
     )
+    sglang_bootstrap: BootstrapConfig = group(
+        BootstrapConfig(), title="P/D: an SGLang prefill server's bootstrap (--role prefill)"
+    )
     # A worker's mock runs its timing model in real time (the mock's own default: instant).
     mock: MockConfig = group(MockConfig(speedup=1.0), title="mock engine (--engine mock)")
     testkit_faults: bool = option(
@@ -75,3 +83,13 @@ class WorkerProcessConfig:
         help="tests only: let genmesh.<ns>.testkit.<worker id> requests inject engine faults",
     )
     metrics: MetricsConfig = group(MetricsConfig())
+
+    def new_engine(self) -> Engine:
+        """The engine adapter these options describe (ValueError for a wrong combination)."""
+        return create_engine(
+            self.engine,
+            url=self.engine_url,
+            mock=self.mock,
+            kv_events=self.kv_events,
+            sglang_bootstrap=self.sglang_bootstrap,
+        )

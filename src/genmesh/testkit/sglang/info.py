@@ -8,6 +8,7 @@ import time
 from aiohttp import web
 
 from genmesh.engines.mock import advance, initial_state
+from genmesh.engines.sglang_pd import DEFAULT_BOOTSTRAP_PORT
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang.normalize import preferred_sampling_params
 from genmesh.testkit.sglang.request import JSON
@@ -107,7 +108,11 @@ class InfoRoutes:
             "api_key": None,
             "admin_api_key": None,
             "disaggregation_mode": c.disaggregation_mode,
-            "disaggregation_bootstrap_port": 8998,
+            # The mock's bootstrap server is its HTTP port (testkit/pd.py), so that a
+            # worker in front of it learns where decode servers find it, as from SGLang.
+            "disaggregation_bootstrap_port": (
+                DEFAULT_BOOTSTRAP_PORT if c.disaggregation_mode == "null" else port
+            ),
             "disaggregation_transfer_backend": "mooncake",
         }
 

@@ -7,7 +7,9 @@ queued; older releases spelt it "boostrap"),
 python/sglang/srt/disaggregation/decode.py (`pop_transferred`: "Decode transfer failed
 ...", 500), python/sglang/srt/disaggregation/prefill.py (`process_disagg_prefill_inflight_
 queue`: "Prefill transfer failed ...", 500; a finished transfer ends the request with
-`FINISH_LENGTH(length=0)`), disaggregation/mooncake/conn.py (`KVTransferError`'s text).
+`FINISH_LENGTH(length=0)`; `PrefillBootstrapQueue.add`: a request whose bootstrap host is
+`FAKE_BOOTSTRAP_HOST` gets the fake sender, which transfers to nobody at once),
+disaggregation/mooncake/conn.py (`KVTransferError`'s text).
 The KV handle travels between the two mock servers through `genmesh.testkit.pd`.
 """
 
@@ -15,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from genmesh.engines.sglang_pd import DEFAULT_BOOTSTRAP_PORT
 from genmesh.testkit.sglang.request import JSON, is_int
 
-# ServerArgs.disaggregation_bootstrap_port: where a decode looks when the request names none.
-DEFAULT_BOOTSTRAP_PORT = 8998
 # The prefill's reply once its KV has been transferred.
 PREFILL_FINISH: JSON = {"type": "length", "length": 0}
 

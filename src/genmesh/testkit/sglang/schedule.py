@@ -25,6 +25,7 @@ from genmesh.engines.mock import (
     initial_state,
 )
 from genmesh.engines.prefix_cache import RequestBlocks
+from genmesh.engines.sglang_pd import FAKE_BOOTSTRAP_HOST
 from genmesh.shared.tasks import wait_event
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.kv_cache import ServerCache, server_cache
@@ -180,6 +181,9 @@ class Generation:
         assert it.bootstrap is not None
         token, logprob = self._sample(state, 0, self.banned)
         self._record(state, token, logprob)
+        if it.bootstrap.host == FAKE_BOOTSTRAP_HOST:  # the fake sender: no decode waits
+            self._emit("final", self._out(pd.PREFILL_FINISH))
+            return True
         handles = self.scheduler.handles
         key = str(it.bootstrap.room)
         handles.offer(key, {"token": token, "logprob": logprob})

@@ -1,14 +1,16 @@
-"""What a disaggregated request costs the `vllm` adapter, against an aggregated one.
+"""What a disaggregated request costs an engine adapter, against an aggregated one.
 
-    .venv/bin/python benchmarks/bench_vllm_pd.py [--requests 500] [--concurrency 1,16]
+    .venv/bin/python benchmarks/bench_pd_adapter.py [--engine vllm|sglang] [--requests 500]
+        [--concurrency 1,16]
 
-Three mock vLLM servers (`genmesh testkit vllm`), each its own process: an aggregated one,
-and a prefill/decode pair (`--disaggregation-mode prefill|decode`, the decode taking the
-prefill's KV handle over HTTP). In the same run, alternately:
+Three mock servers of the engine (`genmesh testkit vllm|sglang`), each its own process: an
+aggregated one, and a prefill/decode pair (`--disaggregation-mode prefill|decode`, the
+decode taking the prefill's KV handle over HTTP). In the same run, alternately:
 
-- **aggregated**: `VllmEngine.generate()` on the aggregated server;
-- **p/d**: `VllmEngine.prefill()` on the prefill server, then `decode()` with its handoff on
-  the decode server, as the two workers of a pair run them (the halves' CPU together).
+- **aggregated**: the adapter's `generate()` on the aggregated server;
+- **p/d**: its `prefill()` on the prefill server and `decode()` on the decode server, as the
+  two workers of a pair run them (the halves' CPU together): vLLM's one after the other,
+  the decode given the prefill's handoff; SGLang's at once, paired by a ticket's room.
 
 The figures are this process's CPU ms per request (the adapter's work, both halves), the
 servers' CPU ms per request (for scale: the pair's includes the mock's KV hand-over) and the
@@ -25,19 +27,22 @@ import sys
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from bench_adapter import closed_loop, cpu_of, free_port
 from genmesh.client import request
 from genmesh.engines.http import HttpEngineConfig
+from genmesh.engines.sglang import SglangEngine
 from genmesh.engines.vllm import VllmEngine
+from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.ids import new_request_id
 
 PROMPT = list(range(1, 129))  # 128 tokens: 8 full KV blocks handed over
 
 
-def start_server(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(engine: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    argv = [sys.executable, "-m", "genmesh", "testkit", "vllm", "--port", str(port), *args]
+    argv = [sys.executable, "-m", "genmesh", "testkit", engine, "--port", str(port), *args]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
 
 
@@ -53,8 +58,36 @@ def wait_healthy(url: str) -> None:
             time.sleep(0.1)
 
 
+def adapter(engine: str, url: str) -> VllmEngine | SglangEngine:
+    # (An SGLang prefill server's bootstrap port: as its /server_info reports it.)
+    return (VllmEngine if engine == "vllm" else SglangEngine)(HttpEngineConfig(url))
+
+
+async def vllm_pair(prefill: VllmEngine, decode: VllmEngine, env: Envelope) -> int:
+    pre = [out async for out in prefill.prefill(env, {})]
+    handoff = pre[-1].handoff
+    assert handoff, "the prefill handed nothing over"
+    outs = [out async for out in decode.decode(env, {}, handoff)]
+    return sum(len(out.tokens) for out in outs)
+
+
+async def sglang_pair(prefill: SglangEngine, decode: SglangEngine, env: Envelope) -> int:
+    ticket = decode.pd_ticket(env, {"kind": prefill.pd_kind, **prefill.pd_card()})
+    stage = replace(env, id=prefill_stage_id(env.id), disagg=Disagg(parent=env.id, ticket=ticket))
+
+    async def prefilled() -> None:
+        async for _ in prefill.prefill(stage, ticket):
+            pass
+
+    async def decoded() -> int:
+        return sum([len(out.tokens) async for out in decode.decode(env, ticket, None)])
+
+    _, tokens = await asyncio.gather(prefilled(), decoded())
+    return tokens
+
+
 async def measure(args: argparse.Namespace, servers: dict[str, tuple[int, str]]) -> None:
-    engines = {name: VllmEngine(HttpEngineConfig(url)) for name, (_, url) in servers.items()}
+    engines = {name: adapter(args.engine, url) for name, (_, url) in servers.items()}
     for engine in engines.values():
         await engine.start()
         assert await engine.healthy()
@@ -67,11 +100,8 @@ async def measure(args: argparse.Namespace, servers: dict[str, tuple[int, str]])
     async def disaggregated() -> int:
         env = request(PROMPT, max_tokens=args.output_tokens, ignore_eos=True)
         env.id = new_request_id()
-        pre = [out async for out in engines["prefill"].prefill(env, {})]
-        handoff = pre[-1].handoff
-        assert handoff, "the prefill handed nothing over"
-        outs = [out async for out in engines["decode"].decode(env, {}, handoff)]
-        return sum(len(out.tokens) for out in outs)
+        pair = vllm_pair if args.engine == "vllm" else sglang_pair
+        return await pair(engines["prefill"], engines["decode"], env)  # type: ignore[arg-type]
 
     sides: dict[str, Callable[[], Awaitable[int]]] = {
         "aggregated": aggregated,
@@ -105,7 +135,8 @@ async def measure(args: argparse.Namespace, servers: dict[str, tuple[int, str]])
     for engine in engines.values():
         await engine.close()
     print(
-        f"vllm adapter, p/d vs aggregated: {args.requests} requests/run, prompt {len(PROMPT)}, "
+        f"{args.engine} adapter, p/d vs aggregated: {args.requests} requests/run, "
+        f"prompt {len(PROMPT)}, "
         f"{args.output_tokens} output tokens, median of {args.repeats}"
     )
     print(f"{'conc':>4}  {'side':<11}{'adapter cpu ms/req':>19}{'servers cpu ms/req':>19}"
@@ -120,6 +151,7 @@ async def measure(args: argparse.Namespace, servers: dict[str, tuple[int, str]])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16]
@@ -128,9 +160,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     procs = {
-        "agg": start_server(),
-        "prefill": start_server("--disaggregation-mode", "prefill"),
-        "decode": start_server("--disaggregation-mode", "decode"),
+        "agg": start_server(args.engine),
+        "prefill": start_server(args.engine, "--disaggregation-mode", "prefill"),
+        "decode": start_server(args.engine, "--disaggregation-mode", "decode"),
     }
     try:
         for _, url in procs.values():
