@@ -257,13 +257,14 @@ def start_inproc_mesh(
     """A ready mesh: its routers, workers and frontend started, the workers known to it.
     `worker_args`: each worker's command-line options (then `workers` is their number)."""
     mesh = InProcessMesh(nats_url, namespace)
+    opts = dict(worker_opts or {})
+    common: tuple[str, ...] = opts.pop("extra_args", ())
     each = worker_args if worker_args is not None else [()] * workers
     try:
         for _ in range(routers):
             mesh.add_router()
         ids = [
-            mesh.add_worker(wait=False, extra_args=args, **(worker_opts or {})).name
-            for args in each
+            mesh.add_worker(wait=False, extra_args=(*common, *args), **opts).name for args in each
         ]
         mesh.add_frontend(*frontend_args)
         mesh.wait_for_workers(lambda known: set(ids) <= known, what=f"workers {ids}")
