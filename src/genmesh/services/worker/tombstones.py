@@ -30,9 +30,9 @@ class Tombstones:
         self.ttl_s = ttl_s
         self.max_count = max_count
         self.max_bytes = max_bytes
-        # ID -> (when it was recorded, its size in bytes); oldest first, so pruning can
-        # stop at the first one that stays.
-        self._ids: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        # ID -> when it was recorded; oldest first, so pruning can stop at the first one
+        # that stays. (Sizes are measured again on the way out: one float an entry.)
+        self._ids: OrderedDict[str, float] = OrderedDict()
         self._bytes = 0
 
     def __contains__(self, request_id: str) -> bool:
@@ -47,12 +47,9 @@ class Tombstones:
         return self._bytes
 
     def add(self, request_id: str) -> None:
-        size = len(request_id.encode())
-        old = self._ids.pop(request_id, None)
-        if old is not None:
-            self._bytes -= old[1]
-        self._ids[request_id] = (time.monotonic(), size)
-        self._bytes += size
+        if self._ids.pop(request_id, None) is None:
+            self._bytes += len(request_id.encode())
+        self._ids[request_id] = time.monotonic()
         self.prune()
 
     def prune(self) -> None:
@@ -61,12 +58,12 @@ class Tombstones:
         ids = self._ids
         dropped = False
         while ids:
-            oldest, (at, size) = next(iter(ids.items()))
+            oldest, at = next(iter(ids.items()))
             within = len(ids) <= self.max_count and self._bytes <= self.max_bytes
             if within and now - at < self.ttl_s:
                 break
             del ids[oldest]
-            self._bytes -= size
+            self._bytes -= len(oldest.encode())
             dropped = True
         if dropped and not ids:
             # A dict never shrinks its table on deletions: once a burst has expired, a
