@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from genmesh.codecs.int32 import TOKENS, first_high, from_le_bytes
+from genmesh.shared.ids import MAX_CLIENT_ID_BYTES, MAX_ID_BYTES, id_problem
 
 PROTOCOL_VERSION = 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -73,6 +74,16 @@ def _str(obj: dict[str, Any], key: str, where: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise EnvelopeError(f"{where}{key}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _id(obj: dict[str, Any], key: str, where: str, limit: int = MAX_ID_BYTES) -> str | None:
+    """A string field that holds an ID: bounded (`shared/ids.py`), never echoed when bad."""
+    value = _str(obj, key, where)
+    if value is not None:
+        problem = id_problem(value, limit)
+        if problem is not None:
+            raise EnvelopeError(f"{where}{key}: {problem}")
     return value
 
 
@@ -375,8 +386,8 @@ class Disagg:
         w = "disagg."
         stage = _str(obj, "stage", w)
         if stage != PREFILL_STAGE:
-            raise EnvelopeError(f"disagg.stage: expected {PREFILL_STAGE!r}, got {stage!r}")
-        parent = _str(obj, "parent", w)
+            raise EnvelopeError(f"disagg.stage: expected {PREFILL_STAGE!r}, got {stage!r:.40}")
+        parent = _id(obj, "parent", w)
         if not parent:
             raise EnvelopeError("disagg.parent: required, a non-empty string")
         ticket = obj.get("ticket")
@@ -421,8 +432,8 @@ class Envelope:
             raise EnvelopeError(f"envelope: expected a map, got {type(obj).__name__}")
         version = obj.get("v")
         if type(version) is not int or version != PROTOCOL_VERSION:
-            raise EnvelopeError(f"v: unsupported protocol version {version!r} (this is v1)")
-        request_id = _str(obj, "id", "")
+            raise EnvelopeError(f"v: unsupported protocol version {version!r:.40} (this is v1)")
+        request_id = _id(obj, "id", "")
         if not request_id:
             raise EnvelopeError("id: required, a non-empty string")
         if "token_ids" not in obj:
@@ -437,7 +448,7 @@ class Envelope:
             token_ids=token_ids,
             format=_str(obj, "format", "") or "",
             model=_str(obj, "model", ""),
-            client_id=_str(obj, "client_id", ""),
+            client_id=_id(obj, "client_id", "", MAX_CLIENT_ID_BYTES),
             sampling=Sampling.from_wire(_map(obj, "sampling")),
             output=OutputOptions.from_wire(_map(obj, "output")),
             routing=Routing.from_wire(_map(obj, "routing")),
@@ -488,9 +499,11 @@ class Envelope:
 
 
 def peek_id(obj: Any) -> str | None:
-    """The request ID of a possibly malformed envelope, for addressing an `err` frame."""
+    """The request ID of a possibly malformed envelope (or of a cancel), for addressing an
+    `err` frame: None unless it is a valid ID (a refusal never echoes an ID too long to
+    send back)."""
     if isinstance(obj, dict):
         value = obj.get("id")
-        if isinstance(value, str) and value:
+        if isinstance(value, str) and value and id_problem(value, MAX_ID_BYTES) is None:
             return value
     return None

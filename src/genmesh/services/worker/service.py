@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +38,13 @@ from genmesh.services.worker.admin import ABORTED, AdminHandlers, abort_end_fram
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.services.worker.disagg import PdDecoder
 from genmesh.services.worker.kv_relay import KvRelay
+from genmesh.services.worker.tombstones import Tombstones
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
     PREFILL_HEADER,
     STREAM_TERMINATOR,
+    check_fits,
     check_subscriptions,
     codec_headers,
     header,
@@ -52,9 +54,9 @@ from genmesh.shared.bus import (
     unsubscribe_quietly,
 )
 from genmesh.shared.endpoint import EnvelopeEndpoint, Request
-from genmesh.shared.envelope import Envelope, peek_id, prefill_stage_id
+from genmesh.shared.envelope import Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
-from genmesh.shared.ids import new_request_id
+from genmesh.shared.ids import MAX_ID_BYTES, id_problem, new_request_id
 from genmesh.shared.kv_events import KV_EVENTS_CARD_KEY
 from genmesh.shared.lifecycle import Service
 from genmesh.shared.subjects import Subjects
@@ -62,9 +64,9 @@ from genmesh.shared.tasks import TaskOwner, wait_event
 
 log = logging.getLogger(__name__)
 
-# A cancel may overtake its request (it takes one hop, the request two); remember it a while.
-TOMBSTONE_TTL_S = 60.0
-TOMBSTONE_MAX = 100_000
+# A cancel's reason goes into the `err` frame it ends a request with: at most this many
+# characters of it (docs/limits.md), so the frame stays small.
+MAX_CANCEL_REASON = 256
 # Load changes are announced at most this often, so bursts cost one message.
 LOAD_REPORT_MIN_INTERVAL_S = 0.05
 
@@ -90,6 +92,10 @@ class _Active:
     abort_requested: bool = False
     # A decode worker's request: the prefill worker the router paired it with.
     prefill_worker: str | None = None
+    # The last frame it sent or tried to send (its outcome, for stats and its span).
+    last: frames.Frame | None = None
+    # The timer that stops it at its deadline, cancelled when it ends.
+    deadline_timer: asyncio.TimerHandle | None = None
 
 
 class Worker(Service):
@@ -105,7 +111,7 @@ class Worker(Service):
             nc, self.subject, self._admit, on_reject=self._rejection_span
         )
         self._active: dict[str, _Active] = {}
-        self._tombstones: OrderedDict[str, float] = OrderedDict()
+        self.tombstones = Tombstones()
         self._tasks = TaskOwner(f"worker {config.worker_id}")
         # What start() set up, undone in reverse order by stop().
         self._running = contextlib.AsyncExitStack()
@@ -322,8 +328,10 @@ class Worker(Service):
         """Alive; and, if the ping names a request, whether it runs here: a requester that
         heard nothing for a while lost the stream's last frames if it does not."""
         if msg.reply:
-            rid = msg.data.decode(errors="replace")
-            running = not rid or rid in self._active
+            # No request has an id longer than MAX_ID_BYTES: such a ping is not decoded.
+            running = not msg.data or (
+                len(msg.data) <= MAX_ID_BYTES and msg.data.decode(errors="replace") in self._active
+            )
             await self.nc.publish(msg.reply, b"" if running else PING_NOT_RUNNING)
 
     def _on_publish_denied(self, subject: str) -> None:
@@ -379,8 +387,8 @@ class Worker(Service):
             raise MeshError(ErrorCode.UNAVAILABLE, "worker is shutting down")
         if not self._engine_up:
             raise MeshError(ErrorCode.UNAVAILABLE, f"the {self.engine.name} engine is down")
-        if rid in self._tombstones or (
-            envelope.disagg is not None and envelope.disagg.parent in self._tombstones
+        if rid in self.tombstones or (
+            envelope.disagg is not None and envelope.disagg.parent in self.tombstones
         ):
             raise MeshError(ErrorCode.CANCELLED, "request was cancelled")
         self._check_role(envelope, prefill_worker)
@@ -418,12 +426,26 @@ class Worker(Service):
         # the task can run (it starts at the loop's next turn), and an engine that answers
         # at once has its first frame written with the ack, in one send.
         active.task = self._tasks.spawn(self._run(active), name=f"request {rid}")
-        await self._send(active, frames.ack(rid, self.worker_id, active.dispatch))
+        # Whenever and however the task ends (even cancelled before it ever ran, when no
+        # code of `_run` runs), the request leaves `_active`: a slot is never lost.
+        active.task.add_done_callback(lambda _: self._release(active))
+        ack = frames.ack(rid, self.worker_id, active.dispatch)
+        try:
+            await self._send(active, ack)
+        except Exception as exc:
+            # Nothing can be said to the requester if its ack cannot be (its ack timeout
+            # takes over); the engine's work stops at once.
+            log.warning("request %s: could not send its ack: %s; dropped", rid, exc)
+            active.last = ack
+            self._stop_request(active, MeshError(ErrorCode.UNAVAILABLE, "its ack was not sent"))
+            return
         if envelope.deadline is not None:
             # The engine's work ends at the deadline even if the requester is gone.
             expired = MeshError(ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
             delay = envelope.deadline - time.time()
-            asyncio.get_running_loop().call_later(delay, self._stop_request, active, expired)
+            active.deadline_timer = asyncio.get_running_loop().call_later(
+                delay, self._stop_request, active, expired
+            )
 
     def _rejection_span(self, rid: str | None, error: MeshError) -> None:
         worker_tracing.worker_rejected(
@@ -432,62 +454,78 @@ class Worker(Service):
 
     async def _send(self, active: _Active, frame: frames.Frame) -> None:
         # Numbered and encoded before the first await, so concurrent senders (keep-alives)
-        # stay in order, and a frame that cannot be encoded does not use up its number.
+        # stay in order, and a frame that cannot be encoded or sent does not use up its
+        # number.
         frame["seq"] = active.seq
         data = active.codec.encode(frame)
+        headers = codec_headers(active.codec)
+        check_fits(self.nc.max_payload, data, headers)
         active.seq += 1
         active.last_sent = time.monotonic()
-        await self.nc.publish(active.reply, data, headers=codec_headers(active.codec))
+        await self.nc.publish(active.reply, data, headers=headers)
 
     async def _run(self, active: _Active) -> None:
+        """Stream the request's frames; `_release` forgets it once this task is done."""
         rid = active.envelope.id
-        last: frames.Frame | None = None
         if active.span is not None:
             tracing.enter(active.span)  # the engine's client span is its child
         try:
             try:
-                async for last in execute(active.envelope, self._generation(active)):
-                    if not active.started:
-                        active.started = True
-                        # Queued -> running: routers that hold requests back for busy
-                        # workers count queued requests (routing/busy.py).
-                        self._load_changed.set()
-                    if last["t"] == frames.OUT or last["t"] == frames.END:
-                        active.tokens += len(last["tokens"])
-                    await self._send(active, last)
-                    if active.span is not None:
-                        active.span.frame(last)
-                if last is not None and last["t"] == frames.ERR:
-                    self.engine_errors[last["code"]] += 1
+                # aclosing: a frame that cannot be sent ends the engine's work now, not
+                # whenever the garbage collector finalizes the generator.
+                generation = execute(active.envelope, self._generation(active))
+                async with contextlib.aclosing(generation) as outputs:
+                    async for frame in outputs:
+                        active.last = frame
+                        if not active.started:
+                            active.started = True
+                            # Queued -> running: routers that hold requests back for busy
+                            # workers count queued requests (routing/busy.py).
+                            self._load_changed.set()
+                        if frame["t"] == frames.OUT or frame["t"] == frames.END:
+                            active.tokens += len(frame["tokens"])
+                        await self._send(active, frame)
+                        if active.span is not None:
+                            active.span.frame(frame)
+                if active.last is not None and active.last["t"] == frames.ERR:
+                    self.engine_errors[active.last["code"]] += 1
             except asyncio.CancelledError:
                 self.aborts += 1
                 if active.stop_reason is ABORTED:
                     # Aborted by client ID where the engine could not finish it itself:
                     # it ends as the engine ends an aborted request, not as an error.
-                    last = abort_end_frame(active.envelope, active.tokens, active.started)
+                    active.last = abort_end_frame(active.envelope, active.tokens, active.started)
                 else:
                     reason = active.stop_reason or MeshError(
                         ErrorCode.CANCELLED, "request was cancelled"
                     )
-                    last = frames.err(rid, 0, reason)
-                await self._send(active, last)
+                    active.last = frames.err(rid, 0, reason)
+                await self._send(active, active.last)
             await self.nc.publish(active.reply, STREAM_TERMINATOR)
         except CodecError as exc:
             # An engine value the request's codec cannot carry: say so instead of going silent.
             log.error("request %s: frame not encodable: %s", rid, exc)
-            last = frames.err(rid, 0, MeshError(ErrorCode.INTERNAL, f"unencodable frame: {exc}"))
-            await self._send(active, last)
+            error = MeshError(ErrorCode.INTERNAL, f"unencodable frame: {exc}")
+            active.last = frames.err(rid, 0, error)
+            await self._send(active, active.last)
             await self.nc.publish(active.reply, STREAM_TERMINATOR)
         except Exception as exc:  # NATS trouble: the requester's timeouts take over
             log.warning("request %s: could not send its frames: %s", rid, exc)
-        finally:
-            self._active.pop(rid, None)
-            self._load_changed.set()
-            self.stats[_outcome(last)] += 1
-            if active.envelope.disagg is not None:
-                self.stage_stats[_outcome(last)] += 1
-            if active.span is not None:
-                active.span.end(last)
+
+    def _release(self, active: _Active) -> None:
+        """Forget a request whose task is done: its slot, its deadline timer, its stats
+        and span. A task's done callback, so it runs however the task ended."""
+        if self._active.get(active.envelope.id) is active:
+            del self._active[active.envelope.id]
+        if active.deadline_timer is not None:
+            active.deadline_timer.cancel()  # it holds the request (and its prompt) until then
+        self._load_changed.set()
+        outcome = _outcome(active.last)
+        self.stats[outcome] += 1
+        if active.envelope.disagg is not None:
+            self.stage_stats[outcome] += 1
+        if active.span is not None:
+            active.span.end(active.last)
 
     def _generation(self, active: _Active) -> AsyncGenerator[EngineOutput, None]:
         """The outputs of `active`: a prefill stage's, a disaggregated request's (decode
@@ -521,35 +559,35 @@ class Worker(Service):
         except (UnknownCodecError, CodecError) as exc:
             log.info("ignored unreadable cancel: %s", exc)
             return
-        rid = peek_id(obj)
-        if rid is None:
+        rid = obj.get("id") if isinstance(obj, dict) else None
+        if not isinstance(rid, str) or not rid:
             log.info("ignored cancel without an id")
+            return
+        problem = id_problem(rid, MAX_ID_BYTES)
+        if problem is not None:
+            # No request can have that id; and a tombstone of it would be a hostile
+            # sender's memory to fill.
+            log.info("ignored cancel: id: %s", problem)
             return
         # A request's prefill stage is cancelled with it (its id is the parent's + "~p").
         active = self._active.get(rid) or self._active.get(prefill_stage_id(rid))
         if active is not None:
-            reason = obj.get("reason") if isinstance(obj, dict) else None
-            message = f"request was cancelled ({reason})" if reason else "request was cancelled"
+            reason = obj.get("reason")
+            message = (
+                f"request was cancelled ({str(reason)[:MAX_CANCEL_REASON]})"
+                if reason
+                else "request was cancelled"
+            )
             self._stop_request(active, MeshError(ErrorCode.CANCELLED, message))
             return
         # Possibly a cancel that overtook its request: remember it for a while.
-        self._tombstones[rid] = time.monotonic()
-        self._tombstones.move_to_end(rid)  # oldest first, so pruning can stop early
-        self._prune_tombstones()
-
-    def _prune_tombstones(self) -> None:
-        now = time.monotonic()
-        while self._tombstones:
-            oldest, at = next(iter(self._tombstones.items()))
-            if len(self._tombstones) <= TOMBSTONE_MAX and now - at < TOMBSTONE_TTL_S:
-                break
-            del self._tombstones[oldest]
+        self.tombstones.add(rid)
 
     async def _keepalive_loop(self) -> None:
         interval = self.config.keepalive_interval_s
         while True:
             await asyncio.sleep(interval / 2)
-            self._prune_tombstones()
+            self.tombstones.prune()
             now = time.monotonic()
             for active in list(self._active.values()):
                 if now - active.last_sent >= interval:
