@@ -232,11 +232,12 @@ class Attempt:
         client = self.client
         loop = asyncio.get_running_loop()
         left = None if self.deadline is None else self.deadline - loop.time()
-        if await client.wait_connected(left):
+        why = await client.hold_until_connected(left)
+        if why is None:
             return None
         if self.deadline is not None and loop.time() >= self.deadline:
             return self._failed(None, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-        refusal = self._failed(None, ErrorCode.UNAVAILABLE, client.still_reconnecting())
+        refusal = self._failed(None, ErrorCode.UNAVAILABLE, why)
         refusal["retryable"] = False
         return refusal
 

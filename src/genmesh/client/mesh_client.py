@@ -213,15 +213,15 @@ class MeshClient:
     def active_streams(self) -> int:
         return len(self._streams)
 
-    async def wait_connected(self, limit_s: float | None = None) -> bool:
-        """Whether the connection is up, after waiting for it while it reconnects: for the
-        reconnect hold, and at most `limit_s`."""
-        hold = self.reconnect_hold_s if limit_s is None else min(self.reconnect_hold_s, limit_s)
-        return await wait_connected(self.nc, hold)
-
-    def still_reconnecting(self) -> str:
-        """Why a request is refused once the reconnect hold has passed."""
-        return f"not connected to NATS (still reconnecting after {self.reconnect_hold_s:g}s)"
+    async def hold_until_connected(self, limit_s: float | None = None) -> str | None:
+        """None once the connection is up, after waiting for it while it reconnects (the
+        reconnect hold, at most `limit_s`); else why a request cannot go out."""
+        hold = self.reconnect_hold_s
+        if limit_s is not None:
+            hold = round(max(0.0, min(hold, limit_s)), 3)
+        if await wait_connected(self.nc, hold):
+            return None
+        return f"not connected to NATS (still reconnecting after {hold:g}s)"
 
     async def cancel(self, request_id: str, reason: str = "client") -> None:
         """Tell every worker to stop `request_id` (also before its request arrives)."""

@@ -92,9 +92,10 @@ class MeshBackend:
         # A request that arrives while NATS reconnects is held for the client's reconnect
         # hold and sent once the connection is back, rather than refused: a node's death
         # costs the clients of the frontend on it nothing (docs/limits.md).
-        held = not self.nc.is_connected and self.client.reconnect_hold_s > 0
-        if held and not await self.client.wait_connected(limit_s):
-            return f"genmesh is not ready: {self.client.still_reconnecting()}"
+        if not self.nc.is_connected and self.client.reconnect_hold_s > 0:
+            why = await self.client.hold_until_connected(limit_s)
+            if why is not None:
+                return f"genmesh is not ready: {why}"
         return self.not_ready_reason()
 
     def workers(self) -> list[dict[str, Any]]:
