@@ -208,7 +208,7 @@ class Attempt:
         elif started_ns:  # or the caller's span's (the frontend's server span)
             headers = tracing.inject_current(headers or {})
         if not client.nc.is_connected and client.reconnect_hold_s > 0:
-            refusal = await self._reconnected()
+            refusal = await self._wait_for_connection()
             if refusal is not None:
                 return refusal
         try:
@@ -224,7 +224,7 @@ class Attempt:
         self._silent_since = self._reassured_at = asyncio.get_running_loop().time()
         return None
 
-    async def _reconnected(self) -> frames.ErrFrame | None:
+    async def _wait_for_connection(self) -> frames.ErrFrame | None:
         """Wait for the connection to come back (the client's reconnect hold, within the
         deadline) instead of publishing into nats-py's reconnect buffer, where the request
         would sit while its acknowledgement timeout runs. None once connected, else the
