@@ -1168,17 +1168,10 @@ async def test_a_cluster_node_dies_under_load(
             ).most_common(),
         }
         print("\ncluster node kill:", json.dumps(summary))
-        # Only requests caught by the kill may fail, and requests that arrive while the
-        # frontend itself reconnects (its node died): those get a 503 "not connected to
-        # NATS" with Retry-After. The mesh serves on after it.
-        for r in failed:
-            caught = r.started <= killed_at <= r.ended
-            refused = (
-                r.status == 503
-                and "not connected to NATS" in error_message(r.body)
-                and killed_at < r.started < killed_at + 3.0
-            )
-            assert caught or refused, (r, summary)
+        # Not one request fails: those caught by the kill migrate, and those that arrive
+        # while the frontend itself reconnects (its node died) are held until it has
+        # (--reconnect-hold), not refused with 503 "not connected to NATS".
+        assert not failed, summary
         assert in_flight, "the kill landed between requests: nothing was tested"
         assert after, summary
         assert all(r.status == 200 for r in after[-24:]), summary

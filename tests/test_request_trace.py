@@ -168,6 +168,9 @@ class ScriptedBackend:
     def not_ready_reason(self) -> str | None:
         return None
 
+    async def ready(self, limit_s: float | None) -> str | None:
+        return None
+
     def workers(self) -> list[dict[str, Any]]:
         return [{"id": "w1"}]
 

@@ -207,6 +207,10 @@ class Attempt:
             headers = tracing.inject(headers, span.span)
         elif started_ns:  # or the caller's span's (the frontend's server span)
             headers = tracing.inject_current(headers or {})
+        if not client.nc.is_connected and client.reconnect_hold_s > 0:
+            refusal = await self._wait_for_connection()
+            if refusal is not None:
+                return refusal
         try:
             await client.nc.publish(
                 self.subject, data, reply=client.reply_subject(token), headers=headers
@@ -219,6 +223,23 @@ class Attempt:
             )
         self._silent_since = self._reassured_at = asyncio.get_running_loop().time()
         return None
+
+    async def _wait_for_connection(self) -> frames.ErrFrame | None:
+        """Wait for the connection to come back (the client's reconnect hold, within the
+        deadline) instead of publishing into nats-py's reconnect buffer, where the request
+        would sit while its acknowledgement timeout runs. None once connected, else the
+        `err` frame that ends the request: another worker would not help."""
+        client = self.client
+        loop = asyncio.get_running_loop()
+        left = None if self.deadline is None else self.deadline - loop.time()
+        why = await client.hold_until_connected(left)
+        if why is None:
+            return None
+        if self.deadline is not None and loop.time() >= self.deadline:
+            return self._failed(None, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        refusal = self._failed(None, ErrorCode.UNAVAILABLE, why)
+        refusal["retryable"] = False
+        return refusal
 
     async def _receive(self, token: str, queue: asyncio.Queue[Incoming]) -> frames.Frame | None:
         """The next frame (None: one of a type this client does not know), or the `err`

@@ -39,6 +39,7 @@ from genmesh.shared.bus import (
     drain_or_close,
     publish,
     unsubscribe_quietly,
+    wait_connected,
 )
 from genmesh.shared.credentials import NatsAuth
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
@@ -59,6 +60,9 @@ log = logging.getLogger(__name__)
 DEFAULT_ACK_TIMEOUT_S = 2.0
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 DEFAULT_PING_AFTER_S = 0.5
+# How long a request waits for a connection that is down to come back (a NATS node died,
+# or the server restarted: nats-py reconnects within about half a second).
+DEFAULT_RECONNECT_HOLD_S = 2.0
 # A reply inbox carries every stream of this client; let it queue generously.
 _INBOX_PENDING_MSGS = 1_000_000
 _INBOX_PENDING_BYTES = 1 << 30
@@ -118,6 +122,7 @@ class MeshClient:
         ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         ping_after_s: float = DEFAULT_PING_AFTER_S,
+        reconnect_hold_s: float = DEFAULT_RECONNECT_HOLD_S,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         directory: WorkerDirectory | None = None,
         router: Admission | None = None,
@@ -126,7 +131,9 @@ class MeshClient:
     ) -> None:
         """`directory`: discovery, whose departures fail the streams of the workers that
         left (a migration trigger). `router`: route each attempt here, straight to the
-        worker it chooses, instead of through the router processes."""
+        worker it chooses, instead of through the router processes. `reconnect_hold_s`:
+        how long a request waits to be sent while the connection is down (0: it goes
+        into nats-py's reconnect buffer at once, and its acknowledgement timeout runs)."""
         self.nc = nc
         # A span per attempt (tracing on); False when the caller's span stands for the
         # request (the frontend's): then only failed attempts get one (client/tracing.py).
@@ -136,6 +143,7 @@ class MeshClient:
         self.ack_timeout_s = ack_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.ping_after_s = ping_after_s
+        self.reconnect_hold_s = reconnect_hold_s
         self.migration_limit = migration_limit
         self.migrations = 0
         self.router = router
@@ -204,6 +212,16 @@ class MeshClient:
     @property
     def active_streams(self) -> int:
         return len(self._streams)
+
+    async def hold_until_connected(self, limit_s: float | None = None) -> str | None:
+        """None once the connection is up, after waiting for it while it reconnects (the
+        reconnect hold, at most `limit_s`); else why a request cannot go out."""
+        hold = self.reconnect_hold_s
+        if limit_s is not None:
+            hold = round(max(0.0, min(hold, limit_s)), 3)
+        if await wait_connected(self.nc, hold):
+            return None
+        return f"not connected to NATS (still reconnecting after {hold:g}s)"
 
     async def cancel(self, request_id: str, reason: str = "client") -> None:
         """Tell every worker to stop `request_id` (also before its request arrives)."""

@@ -49,6 +49,27 @@ def on_reconnect(nc: Client, hook: Callable[[], Awaitable[None]]) -> None:
     _reconnect_hooks.setdefault(nc, []).append(hook)
 
 
+# Resolved when a connection made by `connect` is back from its current outage: what
+# `wait_connected` callers wait on, one future per outage shared by all of them.
+_back: weakref.WeakKeyDictionary[Client, asyncio.Future[None]] = weakref.WeakKeyDictionary()
+
+
+async def wait_connected(nc: Client, timeout_s: float) -> bool:
+    """Whether `nc` is connected, after waiting up to `timeout_s` for it to reconnect when
+    it is not. The wait ends on the reconnect itself (nats-py's `reconnected_cb`, once the
+    subscriptions are restored), not by polling; a connection not made by `connect` is
+    only looked at again after `timeout_s`."""
+    if nc.is_connected:
+        return True
+    if timeout_s > 0:
+        back = _back.get(nc)
+        if back is None or back.done():
+            back = _back[nc] = asyncio.get_running_loop().create_future()
+        # asyncio.wait: a waiter that times out or is cancelled leaves the shared future be.
+        await asyncio.wait([back], timeout=timeout_s)
+    return nc.is_connected
+
+
 # Run when the server refuses a publish of `nc` (a permissions violation), with the subject
 # as nats-py reports it: lowercased.
 _denied_hooks: weakref.WeakKeyDictionary[Client, list[Callable[[str], None]]] = (
@@ -243,6 +264,9 @@ async def connect(
 
     async def on_reconnected() -> None:
         log.info("NATS (%s): reconnected to %s", name, _server_of(nc) or shown)
+        back = _back.pop(nc, None)
+        if back is not None and not back.done():
+            back.set_result(None)  # first: what waits for the connection goes on at once
         for hook in list(_reconnect_hooks.get(nc, ())):
             try:
                 await hook()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from genmesh.client.mesh_client import DEFAULT_RECONNECT_HOLD_S
 from genmesh.formats.catalog import DEFAULT_GENERATE_FORMAT
 from genmesh.records.config import RecordsConfig
 from genmesh.routing.busy import AdmissionConfig
@@ -68,6 +69,13 @@ class FrontendConfig:
         flag="--ping-after",
         parse=non_negative_float,
         help="seconds of silence after which a worker is pinged (no answer: it died, migrate)",
+    )
+    reconnect_hold_s: float = option(
+        DEFAULT_RECONNECT_HOLD_S,
+        flag="--reconnect-hold",
+        parse=non_negative_float,
+        help="seconds a request waits for NATS while the connection is re-established, "
+        "then 503; 0 = refuse at once",
     )
     migration_limit: int = option(
         3,

@@ -111,17 +111,17 @@ class GenerateHandler:
         public_id = bound.client_id or self.format.new_public_id()
         info.public_id, info.client_id, info.stream = public_id, bound.client_id, bound.stream
         headers = {"x-request-id": public_id}
-        not_ready = self.state.backend.not_ready_reason()
-        if not_ready:
-            obs.error_type = ErrorCode.UNAVAILABLE.value
-            return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
-
         try:
             timeout = self._timeout(request.headers)
         except ValueError as exc:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return self.json_error(400, str(exc), headers)
+        # From before a wait for NATS to reconnect (`ready`): the wait counts.
         deadline = None if timeout is None else time.time() + timeout
+        not_ready = await self.state.backend.ready(timeout)
+        if not_ready:
+            obs.error_type = ErrorCode.UNAVAILABLE.value
+            return self.json_error(503, not_ready, {**headers, "Retry-After": "1"})
         for envelope in bound.items:
             envelope.id = new_request_id()
             envelope.deadline = deadline

@@ -61,6 +61,9 @@ class LocalBackend:
     def not_ready_reason(self) -> str | None:
         return None
 
+    async def ready(self, limit_s: float | None) -> str | None:
+        return None
+
     def workers(self) -> list[dict[str, Any]]:
         return [{**self.engine.describe(), "id": self.worker_id, "engine": self.engine.name}]
 

@@ -104,6 +104,7 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             idle_timeout_s=config.idle_timeout_s,
             migration_limit=config.migration_limit,
             ping_after_s=config.ping_after_s,
+            reconnect_hold_s=config.reconnect_hold_s,
             directory=directory,  # a worker that leaves discovery is a migration trigger
             router=router,
             attempt_spans=False,  # the request's server span stands for its attempts

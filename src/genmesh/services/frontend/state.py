@@ -36,6 +36,11 @@ class Backend(Protocol):
         """Why requests cannot be served right now, or None when they can."""
         ...
 
+    async def ready(self, limit_s: float | None) -> str | None:
+        """`not_ready_reason()` for a request about to be dispatched, which first waits
+        (at most `limit_s`) for a connection to the mesh that is being re-established."""
+        ...
+
     def workers(self) -> list[dict[str, Any]]:
         """The cards of the workers that can serve requests."""
         ...
@@ -82,6 +87,16 @@ class MeshBackend:
         if not self.directory.workers:
             return f"genmesh is not ready: no worker is registered in namespace {self.namespace!r}"
         return None
+
+    async def ready(self, limit_s: float | None) -> str | None:
+        # A request that arrives while NATS reconnects is held for the client's reconnect
+        # hold and sent once the connection is back, rather than refused: a node's death
+        # costs the clients of the frontend on it nothing (docs/limits.md).
+        if not self.nc.is_connected and self.client.reconnect_hold_s > 0:
+            why = await self.client.hold_until_connected(limit_s)
+            if why is not None:
+                return f"genmesh is not ready: {why}"
+        return self.not_ready_reason()
 
     def workers(self) -> list[dict[str, Any]]:
         return [w.card for w in self.directory.live()]
