@@ -14,7 +14,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import AuthorizationError
+from nats.errors import AuthorizationError, MaxPayloadError
 
 from genmesh.codecs import Codec, get_codec
 from genmesh.shared.credentials import NO_AUTH, NatsAuth
@@ -151,6 +151,38 @@ def codec_headers(codec: Codec) -> dict[str, str] | None:
     if codec.name == "msgpack":
         return None
     return {CODEC_HEADER: codec.name}
+
+
+class PayloadTooLarge(MaxPayloadError):
+    """A message that the server would refuse for its size, headers included."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__()
+        self.size = size
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return f"a message of {self.size} bytes exceeds the server's max_payload of {self.limit}"
+
+
+def check_fits(max_payload: int, data: bytes, headers: dict[str, str] | None) -> None:
+    """Raise PayloadTooLarge if `data` with `headers` exceeds `max_payload` (the server's,
+    `nc.max_payload`).
+
+    nats-py checks the payload alone, but the server counts headers and payload together
+    and, for a message over the limit, answers `-ERR 'Maximum Payload Violation'` and
+    closes the connection (nats-server `server/client.go`, `processHeaderPub` and
+    `maxPayloadViolation`); nats-py then closes the client for good (`_process_err`). One
+    frame that only just fits its payload would cut a service off the mesh."""
+    size = len(data)
+    if headers:
+        # NATS/1.0 headers as nats-py writes them: the status line, `key: value` lines, a
+        # blank line, each ended by CRLF.
+        size += len(b"NATS/1.0\r\n\r\n") + sum(
+            len(key.encode()) + len(value.encode()) + 4 for key, value in headers.items()
+        )
+    if size > max_payload:
+        raise PayloadTooLarge(size, max_payload)
 
 
 def message_codec(msg: Msg) -> Codec:
