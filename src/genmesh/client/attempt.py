@@ -29,6 +29,8 @@ from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
     PREFILL_HEADER,
+    PayloadTooLarge,
+    check_fits,
     codec_headers,
     is_no_responders,
     message_codec,
@@ -207,6 +209,14 @@ class Attempt:
             headers = tracing.inject(headers, span.span)
         elif started_ns:  # or the caller's span's (the frontend's server span)
             headers = tracing.inject_current(headers or {})
+        try:
+            # Too large for this server is too large for any worker: refused at once, never
+            # retried (and never sent: the server would close the connection over it).
+            check_fits(client.nc.max_payload, data, headers)
+        except PayloadTooLarge as exc:
+            return frames.synthetic_err(
+                self.envelope.id, ErrorCode.INVALID_ARGUMENT, f"the request is too large: {exc}"
+            )
         try:
             await client.nc.publish(
                 self.subject, data, reply=client.reply_subject(token), headers=headers
