@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -52,10 +53,13 @@ def dumps(obj: Any) -> str:
 # `%`. The rest is percent-encoded (UTF-8; docs/formats.md §1): CR/LF would end the
 # header, NUL and non-ASCII are no header text. The body echoes the ID unchanged.
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if c != ord("%"))
+_AS_IS = re.compile(r"[!-$&-~]*")  # the same characters: most IDs skip quote() (3 µs)
 
 
 def header_id(public_id: str) -> str:
     """`public_id` as the value of the `x-request-id` header."""
+    if _AS_IS.fullmatch(public_id):
+        return public_id
     return quote(public_id, safe=_HEADER_SAFE, errors="surrogatepass")
 
 
