@@ -29,6 +29,8 @@ from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PING_NOT_RUNNING,
     PREFILL_HEADER,
+    PayloadTooLarge,
+    check_fits,
     codec_headers,
     is_no_responders,
     message_codec,
@@ -211,6 +213,14 @@ class Attempt:
             refusal = await self._wait_for_connection()
             if refusal is not None:
                 return refusal
+        try:
+            # Too large for this server is too large for any worker: refused at once, never
+            # retried (and never sent: the server would close the connection over it).
+            check_fits(client.nc.max_payload, data, headers)
+        except PayloadTooLarge as exc:
+            return frames.synthetic_err(
+                self.envelope.id, ErrorCode.INVALID_ARGUMENT, f"the request is too large: {exc}"
+            )
         try:
             await client.nc.publish(
                 self.subject, data, reply=client.reply_subject(token), headers=headers

@@ -283,11 +283,14 @@ def _client_id(req: GenerateRequest, headers: Mapping[str, str]) -> str | None:
 
 
 def _dp_rank(headers: Mapping[str, str]) -> int | None:
-    """`X-data-parallel-rank` as a u32; malformed values are ignored, as Dynamo does."""
+    """`X-data-parallel-rank` as a u32; malformed values are ignored, as Dynamo does (and
+    vLLM's `_get_data_parallel_rank`, whose `int()` fails past Python's 4,300 digits: a u32
+    has at most 10, so longer runs of digits are never converted)."""
     value = _header(headers, "x-data-parallel-rank")
-    if value is None or not re.fullmatch(r"\+?[0-9]+", value):
+    digits = None if value is None else re.fullmatch(r"\+?0*([0-9]{1,10})", value)
+    if digits is None:
         return None
-    rank = int(value)
+    rank = int(digits[1])
     return rank if rank <= _UINT32_MAX else None
 
 

@@ -7,13 +7,15 @@ import asyncio
 import contextlib
 import logging
 import os
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
 
 from genmesh.formats.base import GenerateFormat
 from genmesh.services.frontend.admin import add_admin_routes, auth_middlewares
-from genmesh.services.frontend.generate import GenerateHandler
+from genmesh.services.frontend.generate import GenerateHandler, dumps
 from genmesh.services.frontend.info import add_info_routes
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
@@ -33,16 +35,18 @@ def build_app(
     formats: list[GenerateFormat],
     *,
     body_limit_bytes: int,
+    body_timeout_s: float = 60.0,
     metrics: CollectorRegistry | None = None,
     api_key: str | None = None,
     admin_api_key: str | None = None,
 ) -> web.Application:
     app = web.Application(
-        client_max_size=body_limit_bytes, middlewares=auth_middlewares(api_key, admin_api_key)
+        client_max_size=body_limit_bytes,
+        middlewares=[json_method_errors(formats), *auth_middlewares(api_key, admin_api_key)],
     )
     app[STATE] = state
     for fmt in formats:
-        handler = GenerateHandler(fmt, state, body_limit_bytes)
+        handler = GenerateHandler(fmt, state, body_limit_bytes, body_timeout_s)
         for route in fmt.routes:
             app.router.add_route(route.method, route.path, handler.handle)
     app.router.add_get("/health", health)
@@ -52,6 +56,28 @@ def build_app(
     if metrics is not None:
         app.router.add_get(METRICS_PATH, metrics_handler(metrics))
     return app
+
+
+def json_method_errors(formats: list[GenerateFormat]) -> Any:
+    """A middleware: aiohttp answers a method a route does not take with a text/plain 405;
+    this answers JSON, as SGLang's and vLLM's FastAPI apps do: in the shape of the format
+    whose route it is, else of the format that serves `/generate` (the first)."""
+    by_path = {route.path: fmt for fmt in formats for route in fmt.routes}
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            fmt = by_path.get(request.path, formats[0])
+            return web.json_response(
+                fmt.error_body(405, "Method Not Allowed"),
+                status=405,
+                headers={"Allow": exc.headers["Allow"]},
+                dumps=dumps,
+            )
+
+    return middleware
 
 
 async def health(request: web.Request) -> web.Response:

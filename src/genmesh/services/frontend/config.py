@@ -13,7 +13,7 @@ from genmesh.routing.pairing import PdConfig
 from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
-from genmesh.shared.settings import group, non_negative_float, option, reuse
+from genmesh.shared.settings import group, non_negative_float, option, positive_float, reuse
 
 ROUTING_MODES = ("frontend", "routers")
 
@@ -52,6 +52,25 @@ class FrontendConfig:
     pd: PdConfig = group(PdConfig(), title="prefill/decode pairs (with --routing frontend)")
     model: str = option("genmesh-mock", help="model name reported before any worker is known")
     body_limit_mb: float = option(32.0, help="largest request body")
+    # Bounds on what one HTTP client holds (docs/limits.md, "Items 3-7"): a slow-loris
+    # connection is closed, a slow body answered 408, connections past the bound 503.
+    http_idle_timeout_s: float = option(
+        75.0,
+        flag="--http-idle-timeout",
+        parse=positive_float,
+        help="seconds a connection may go without sending a request's complete headers "
+        "(idle between requests, or sending them slowly) before it is closed",
+    )
+    http_body_timeout_s: float = option(
+        60.0,
+        flag="--http-body-timeout",
+        parse=positive_float,
+        help="seconds a generate request's body may take to arrive (HTTP 408 after)",
+    )
+    max_connections: int = option(
+        4096,
+        help="open HTTP connections at most; one more is answered 503 and closed; 0 = no bound",
+    )
     ack_timeout_s: float = option(
         2.0,
         flag="--ack-timeout",

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 from aiohttp import web
@@ -26,7 +29,7 @@ from genmesh.services.frontend.running import RunningIds
 from genmesh.services.frontend.state import FrontendState
 from genmesh.shared import frames
 from genmesh.shared.errors import ErrorCode, MeshError, http_status
-from genmesh.shared.ids import new_request_id
+from genmesh.shared.ids import MAX_CLIENT_ID_BYTES, id_problem, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +40,27 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def dumps(obj: Any) -> str:
-    """Compact JSON, as SGLang writes it (orjson: also the fastest on the per-token path)."""
-    return orjson.dumps(obj).decode()
+    """Compact JSON, as SGLang writes it (orjson: also the fastest on the per-token path).
+    orjson refuses a lone surrogate (JSON's `"\\ud800"`, which a client may send in a field
+    name that an error message then names); `json` writes it back escaped, as it came."""
+    try:
+        return orjson.dumps(obj).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(obj, separators=(",", ":"))
+
+
+# What a client ID may carry into the `x-request-id` header as it is: visible ASCII but
+# `%`. The rest is percent-encoded (UTF-8; docs/formats.md §1): CR/LF would end the
+# header, NUL and non-ASCII are no header text. The body echoes the ID unchanged.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if c != ord("%"))
+_AS_IS = re.compile(r"[!-$&-~]*")  # the same characters: most IDs skip quote() (3 µs)
+
+
+def header_id(public_id: str) -> str:
+    """`public_id` as the value of the `x-request-id` header."""
+    if _AS_IS.fullmatch(public_id):
+        return public_id
+    return quote(public_id, safe=_HEADER_SAFE, errors="surrogatepass")
 
 
 def sse_event(payloads: list[Any]) -> bytes:
@@ -46,10 +68,17 @@ def sse_event(payloads: list[Any]) -> bytes:
 
 
 class GenerateHandler:
-    def __init__(self, fmt: GenerateFormat, state: FrontendState, body_limit_bytes: int) -> None:
+    def __init__(
+        self,
+        fmt: GenerateFormat,
+        state: FrontendState,
+        body_limit_bytes: int,
+        body_timeout_s: float,
+    ) -> None:
         self.format = fmt
         self.state = state
         self.body_limit_bytes = body_limit_bytes
+        self.body_timeout_s = body_timeout_s
         # The running IDs (`Bound.running_ids`) of this format's requests in flight.
         self.running = RunningIds()
 
@@ -80,12 +109,22 @@ class GenerateHandler:
     async def _handle(self, request: web.Request, obs: Observation) -> web.StreamResponse:
         info = obs.info
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return self.json_error(
                 413, f"request body is larger than the limit of {self.body_limit_bytes} bytes"
             )
+        except TimeoutError:
+            # A body sent slowly holds a connection and a handler: cut off, and the
+            # connection closed (what is left of the body is not read).
+            obs.error_type = ErrorCode.INVALID_ARGUMENT.value
+            late = self.json_error(
+                408, f"request body did not arrive within {self.body_timeout_s:g} seconds"
+            )
+            late.force_close()
+            return late
         info.body = body
         try:
             bound = self.format.bind(
@@ -94,6 +133,12 @@ class GenerateHandler:
         except RequestRejected as rejected:
             obs.error_type = ErrorCode.INVALID_ARGUMENT.value
             return web.json_response(rejected.body, status=rejected.status, dumps=dumps)
+        # Client IDs travel in every envelope (and one in a header): one the mesh cannot
+        # carry is refused before anything runs, since no answer could name it.
+        problem = client_id_problem(bound)
+        if problem is not None:
+            obs.error_type = ErrorCode.INVALID_ARGUMENT.value
+            return self.json_error(400, problem)
 
         # The client IDs the real server would refuse to see twice while they run.
         duplicate = self.running.duplicate(bound.running_ids)
@@ -110,7 +155,7 @@ class GenerateHandler:
         info = obs.info
         public_id = bound.client_id or self.format.new_public_id()
         info.public_id, info.client_id, info.stream = public_id, bound.client_id, bound.stream
-        headers = {"x-request-id": public_id}
+        headers = {"x-request-id": header_id(public_id)}
         try:
             timeout = self._timeout(request.headers)
         except ValueError as exc:
@@ -151,10 +196,6 @@ class GenerateHandler:
                         request, stream, exchange, headers, rid, len(bound.items), obs
                     )
                 return await self._unary(stream, exchange, headers, rid, len(bound.items), obs)
-        except ConnectionResetError as exc:
-            # The client went away while we wrote; closing the stream above sent the cancels.
-            log.info("request %s: client connection lost (%s); cancelled", rid, exc)
-            raise
         except asyncio.CancelledError:
             # Handler cancellation: the client disconnected. aclosing() published the cancels.
             log.info("request %s: client disconnected (499); cancelled", rid)
@@ -235,7 +276,31 @@ class GenerateHandler:
         count: int,
         obs: Observation,
     ) -> web.StreamResponse:
-        response: web.StreamResponse | None = None
+        # Prepared at the first frame that is not an error (`_write_stream`).
+        response = SseResponse(headers={**SSE_HEADERS, **headers})
+        try:
+            return await self._write_stream(
+                request, response, stream, exchange, headers, rid, count, obs
+            )
+        except ConnectionResetError as exc:
+            # The client went away while we wrote: an INFO line, and the prepared response
+            # back to aiohttp, which finds the connection gone without a word (raised, the
+            # error would be logged with its traceback). Leaving the stream sends the cancels.
+            log.info("request %s: client connection lost (%s); cancelled", rid, exc)
+            obs.finished(499, ErrorCode.CANCELLED.value)
+            return response
+
+    async def _write_stream(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        stream: AsyncIterator[tuple[int, ClientFrame]],
+        exchange: Exchange,
+        headers: dict[str, str],
+        rid: str,
+        count: int,
+        obs: Observation,
+    ) -> web.StreamResponse:
         items = [ItemRecords(self.format, exchange, i, stream=True) for i in range(count)]
         ended = 0
         last = b""
@@ -245,11 +310,10 @@ class GenerateHandler:
                 continue
             if frame["t"] == frames.ACK:
                 continue
-            if response is None:
+            if not response.prepared:
                 # The status is committed only now, so errors before any output keep theirs.
                 if frame["t"] == frames.ERR:
                     return self._error_response(exchange, frame, headers, rid, obs)
-                response = SseResponse(headers={**SSE_HEADERS, **headers})
                 await response.prepare(request)
             if frame["t"] == frames.KA:
                 await response.write(SSE_KEEPALIVE)
@@ -266,10 +330,21 @@ class GenerateHandler:
                         last = data + sse_event(exchange.sse_end()) + SSE_DONE
                         break
                 await response.write(data)
-        assert response is not None
+        assert response.prepared
         # The last events and the end of the chunked body leave in one write.
         await response.write_eof(last)
         return response
+
+
+def client_id_problem(bound: Bound) -> str | None:
+    """Why the mesh cannot carry one of a request's client IDs (each item's, which its
+    envelope carries, and the request's, which the `x-request-id` header echoes)."""
+    ids = [bound.client_id, *(item.client_id for item in bound.items)]
+    for client_id in ids:
+        problem = None if client_id is None else id_problem(client_id, MAX_CLIENT_ID_BYTES)
+        if problem is not None:
+            return f"the request ID is not accepted: {problem}"
+    return None
 
 
 class SseResponse(web.StreamResponse):

@@ -21,6 +21,8 @@ from genmesh.routing.metrics import AdmissionCollector, PdCollector
 from genmesh.routing.policies import make_policy
 from genmesh.services.frontend.app import build_app
 from genmesh.services.frontend.config import FrontendConfig
+from genmesh.services.frontend.connections import BoundedTCPSite, refusal
+from genmesh.services.frontend.generate import dumps
 from genmesh.services.frontend.metrics import PREFIX, FrontendMetrics
 from genmesh.services.frontend.records import RequestRecords
 from genmesh.services.frontend.state import FrontendState, MeshBackend
@@ -149,20 +151,38 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
             state,
             formats,
             body_limit_bytes=int(config.body_limit_mb * 1024 * 1024),
+            body_timeout_s=config.http_body_timeout_s,
             metrics=metrics.registry,
             api_key=config.api_key,
             admin_api_key=config.admin_api_key,
         )
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
         # the request in the mesh. Without it aiohttp lets the handler run to the end.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout: aiohttp closes a connection that has not sent a request's
+        # whole headers this long after it opened or its last answer (a slow loris too).
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=config.http_idle_timeout_s,
+        )
         await runner.setup()
         resources.push_async_callback(runner.cleanup)
         if router is not None:
             # Before the HTTP server stops: what waits for a worker is refused (retryable),
             # not cut off with its connection.
             resources.callback(router.close)
-        site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
+        too_many = formats[0].error_body(
+            503, f"too many connections: this frontend keeps at most {config.max_connections}"
+        )
+        site = BoundedTCPSite(
+            runner,
+            config.host,
+            config.port,
+            limit=config.max_connections,
+            answer=refusal(dumps(too_many).encode()),
+            reuse_port=config.reuse_port,
+        )
         await site.start()
         port = runner.addresses[0][1]
         routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)
