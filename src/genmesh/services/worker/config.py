@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from genmesh.engines import ENGINES, create_engine
-from genmesh.engines.base import ROLE_BOTH, ROLES
 from genmesh.engines.mock import MockConfig
 from genmesh.engines.sglang_pd import BootstrapConfig
 from genmesh.engines.zmq_events import ZmqEventsConfig
+from genmesh.shared.cards import ROLE_BOTH, ROLES
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
