@@ -11,8 +11,10 @@ from typing import Any, cast
 import pytest
 
 from genmesh.codecs import get_codec
+from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared.cards import card_fault, presence_fault
 from genmesh.shared.discovery import WorkerDirectory
+from genmesh.shared.settings import parse
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.throttled_log import ThrottledLog
 
@@ -151,3 +153,14 @@ def test_the_throttled_log_counts_what_it_held_back(
             now[0] = 100.0 + step
             throttled.info("bad %s", step)
     assert caplog.messages == ["bad 0.0", "bad 10.0 (and 2 more in the last 10s)"]
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf", "3601"])
+def test_a_worker_cannot_be_given_a_heartbeat_directories_would_refuse(
+    interval: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse(WorkerConfig, ["--heartbeat-interval", interval], environ={})
+    assert f"invalid heartbeat_interval value: '{interval}'" in capsys.readouterr().err
+    edge = parse(WorkerConfig, ["--heartbeat-interval", "3600"], environ={})
+    assert edge.heartbeat_interval_s == 3600.0

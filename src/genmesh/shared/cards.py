@@ -40,6 +40,14 @@ def heartbeat_fault(value: object) -> str | None:
     return None
 
 
+def heartbeat_interval(text: str) -> float:
+    """A heartbeat interval from the command line: what a directory will believe."""
+    number = float(text)
+    if heartbeat_fault(number) is not None:
+        raise ValueError(text)
+    return number
+
+
 def _id_fault(message: dict[str, Any]) -> str | None:
     wid = message.get("id")
     if type(wid) is not str or not is_subject_token(wid):
