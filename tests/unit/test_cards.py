@@ -37,6 +37,8 @@ BAD_CARDS: list[tuple[dict[str, Any], str]] = [
     ({**GOOD, "id": ""}, ID),
     ({**GOOD, "id": "a b"}, ID),
     ({**GOOD, "id": "w.1"}, ID),
+    ({**GOOD, "id": "w1\n"}, ID),  # a regex's `$` let it through
+    ({**GOOD, "id": "wé"}, ID),
     ({**GOOD, "id": "w" * 65}, ID),
     ({**GOOD, "id": 7}, ID),
     ({**GOOD, "inflight": -1}, "inflight is not an int in [0, 2^53)"),
@@ -93,6 +95,7 @@ def test_a_good_card_is_believed(card: dict[str, Any]) -> None:
     ("presence", "why"),
     [
         ({"id": "a b"}, ID),
+        ({"id": "r1\r\n"}, ID),
         ({"id": "", "leaving": True}, ID),
         ({"id": "r1", "heartbeat_s": math.nan}, HEARTBEAT),
         ({"id": "r1", "heartbeat_s": 1e300}, HEARTBEAT),

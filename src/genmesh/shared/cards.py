@@ -72,9 +72,12 @@ def card_fault(card: dict[str, Any]) -> str | None:
     if fault is not None:
         return fault
     role = card.get("role", ROLE_BOTH)
+    disagg = card.get("disagg")
+    if role == ROLE_BOTH and disagg is None:  # most cards: no P/D
+        return None
     if role not in ROLES:  # a tuple: compared, never hashed (a list would not hash)
         return "role is not one of both, prefill, decode"
-    return _disagg_fault(card.get("disagg"), required=role != ROLE_BOTH)
+    return _disagg_fault(disagg, required=role != ROLE_BOTH)
 
 
 def _disagg_fault(disagg: object, *, required: bool) -> str | None:
