@@ -21,6 +21,7 @@ from genmesh.client import request
 from genmesh.codecs import get_codec
 from genmesh.services.router.service import Router
 from genmesh.shared.bus import flush_in_order, publish
+from genmesh.shared.cards import MAX_MESSAGE_BYTES
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.subjects import Subjects
 from tests.http_util import post
@@ -147,6 +148,23 @@ async def test_a_card_with_another_subject_cannot_steer_requests(
     pinned = request([1, 2, 3], max_tokens=2, worker="wodd")
     assert await ask_router(nc, subjects, pinned) == b"here"
     assert [m.subject for m in behind_the_id] == [subjects.worker_generate("wodd")]
+
+
+async def test_a_card_past_the_size_bound_is_not_even_decoded(
+    empty_mesh: InProcessMesh, nc: Client
+) -> None:
+    """A card padded past 64 KiB (NATS would carry 1 MB, 8 MB with deploy/nats/) is
+    ignored; the next card, just under, is believed."""
+    subjects = Subjects(empty_mesh.namespace)
+    routed: Router = empty_mesh.add_router().value
+    big = {**forged_card("wbig", ""), "pad": "x" * MAX_MESSAGE_BYTES}
+    fits = {**forged_card("wfits", ""), "pad": "x" * (MAX_MESSAGE_BYTES - 300)}
+    assert len(MSGPACK.encode(fits)) <= MAX_MESSAGE_BYTES
+    await announce(nc, subjects.announce, big, fits)
+    await asyncio.to_thread(
+        wait_until, lambda: "wfits" in routed.directory.workers, 5.0, 0.02, "the card that fits"
+    )
+    assert "wbig" not in routed.directory.workers
 
 
 GARBAGE_PRESENCE: list[dict[str, Any]] = [

@@ -145,6 +145,27 @@ def test_hostile_cards_never_raise_and_are_logged_once_per_interval(
     assert caplog.messages == [f"ignored worker card '': {ID}"]
 
 
+def test_a_full_directory_keeps_the_workers_and_routers_it_knows(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("genmesh.shared.discovery.MAX_WORKERS", 2)
+    monkeypatch.setattr("genmesh.shared.discovery.MAX_ROUTERS", 1)
+    found = directory()
+    with caplog.at_level(logging.INFO, logger="genmesh.shared.discovery"):
+        for wid in ("w1", "w2", "w3"):
+            found._update({**GOOD, "id": wid})
+        found._update({**GOOD, "id": "w2", "inflight": 7})  # known: still heard
+        found._update_router({"id": "r1"})
+        found._update_router({"id": "r2"})
+        found._update_router({"id": "r1", "leaving": True})
+        found._update_router({"id": "r2"})  # room again
+    assert sorted(found.workers) == ["w1", "w2"]
+    assert found.workers["w2"].inflight == 7
+    assert list(found.routers) == ["r2"]
+    refusals = [m for m in caplog.messages if m.startswith("ignored")]
+    assert refusals == ["ignored worker card 'w3': 2 workers are known, the most a directory keeps"]
+
+
 def test_the_throttled_log_counts_what_it_held_back(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

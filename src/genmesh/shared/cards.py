@@ -29,6 +29,14 @@ MAX_HEARTBEAT_S = 3600.0
 # Counts (capacity, inflight, KV blocks) are integers below 2^53, which a JSON reader in
 # any language holds exactly.
 MAX_COUNT = 2**53 - 1
+# A discovery message's most bytes, checked before it is decoded: a card is about 1 KB
+# (protocol.md §9.1), and the NATS max payload (8 MB in deploy/nats/) would let one forged
+# card cost every directory the time to decode it and the memory to keep it.
+MAX_MESSAGE_BYTES = 64 * 1024
+# The most workers and routers a directory keeps: past them, new ids are somebody's flood
+# (each would stay up to 3 heartbeats), and the ones it knows keep being heard.
+MAX_WORKERS = 4096
+MAX_ROUTERS = 256
 
 
 def heartbeat_fault(value: object) -> str | None:

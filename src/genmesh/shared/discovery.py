@@ -33,6 +33,9 @@ from genmesh.shared.bus import (
 from genmesh.shared.cards import (
     DEFAULT_HEARTBEAT_S,
     MAX_COUNT,
+    MAX_MESSAGE_BYTES,
+    MAX_ROUTERS,
+    MAX_WORKERS,
     ROLE_BOTH,
     card_fault,
     presence_fault,
@@ -182,6 +185,14 @@ class WorkerDirectory:
     async def _on_message(self, msg: Msg) -> None:
         if msg.subject == self.subjects.query:
             return
+        if len(msg.data) > MAX_MESSAGE_BYTES:
+            self._ignored.info(
+                "ignored a discovery message of %d bytes on %s (the most is %d)",
+                len(msg.data),
+                msg.subject,
+                MAX_MESSAGE_BYTES,
+            )
+            return
         try:
             obj = message_codec(msg).decode(msg.data)
         except (UnknownCodecError, CodecError) as exc:
@@ -210,6 +221,12 @@ class WorkerDirectory:
         rid = presence["id"]
         if presence.get("leaving") is True:
             self.routers.pop(rid, None)
+        elif rid not in self.routers and len(self.routers) >= MAX_ROUTERS:
+            self._ignored.info(
+                "ignored router presence %.80r: %d routers are known, the most a directory keeps",
+                rid,
+                MAX_ROUTERS,
+            )
         else:
             heartbeat = presence.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
             self.routers[rid] = (time.monotonic(), EXPIRY_HEARTBEATS * heartbeat)
@@ -226,6 +243,13 @@ class WorkerDirectory:
         now = time.monotonic()
         worker = self.workers.get(wid)
         if worker is None:
+            if len(self.workers) >= MAX_WORKERS:
+                self._ignored.info(
+                    "ignored worker card %.80r: %d workers are known, the most a directory keeps",
+                    wid,
+                    MAX_WORKERS,
+                )
+                return
             subject = self.subjects.worker_generate(wid)
             worker = WorkerInfo(wid, subject, card, now, inflight, capacity)
             self.workers[wid] = worker
