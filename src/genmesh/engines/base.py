@@ -68,11 +68,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-# A worker's part in prefill/decode disaggregation (`--role`, docs/disaggregation.md).
-ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = "both", "prefill", "decode"
-ROLES = (ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE)
-
-
 class Engine(Protocol):
     """An engine adapter. `generate` is cancelled (CancelledError at an await) to abort.
 

@@ -8,11 +8,9 @@ from dataclasses import dataclass
 
 from genmesh.routing.busy import AdmissionConfig
 from genmesh.routing.pairing import (
-    DECODE,
     DISAGGREGATED,
     FALLBACK,
     LOCAL,
-    PREFILL,
     PdConfig,
     cached_tokens_reader,
     local_prefill,
@@ -20,6 +18,7 @@ from genmesh.routing.pairing import (
     prefill_workers,
 )
 from genmesh.routing.policies import Policy
+from genmesh.shared.cards import ROLE_DECODE, ROLE_PREFILL
 from genmesh.shared.discovery import WorkerDirectory, WorkerInfo
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.errors import ErrorCode, MeshError
@@ -90,7 +89,7 @@ class Chooser:
             pinned = directory.workers.get(routing.worker)
             if pinned is None:
                 raise MeshError(ErrorCode.NO_WORKER, f"worker {routing.worker!r} is not known")
-            if pinned.role == PREFILL:
+            if pinned.role == ROLE_PREFILL:
                 raise MeshError(
                     ErrorCode.INVALID_ARGUMENT,
                     f"worker {pinned.id!r} is a prefill worker: it runs only the prefill "
@@ -102,7 +101,7 @@ class Chooser:
         eligible = [
             w
             for w in workers
-            if w.card.get("role") != PREFILL
+            if w.card.get("role") != ROLE_PREFILL
             and w.serves(envelope.format)
             and (envelope.model is None or w.model == envelope.model)
         ]
@@ -110,7 +109,7 @@ class Chooser:
             wanted = [f"format {envelope.format!r}"]
             if envelope.model is not None:
                 wanted.append(f"model {envelope.model!r}")
-            prefills = sum(w.role == PREFILL for w in workers)
+            prefills = sum(w.role == ROLE_PREFILL for w in workers)
             why = f"; {prefills} of them prefill workers" if prefills else ""
             raise MeshError(
                 ErrorCode.NO_WORKER,
@@ -121,7 +120,7 @@ class Chooser:
         if not free:
             raise WorkersBusy(len(eligible), busy is not None)
         worker = self.policy.choose(free, envelope)
-        pairs = worker.card.get("role") == DECODE
+        pairs = worker.card.get("role") == ROLE_DECODE
         prefill = self._prefill_for(worker, live, envelope) if pairs else None
         directory.note_sent(worker)
         if busy is not None:
@@ -175,7 +174,7 @@ class Chooser:
             self.pd_routed[FALLBACK] += 1
             return None
         if eligible:
-            raise WorkersBusy(len(eligible), self._busy is not None, PREFILL)
+            raise WorkersBusy(len(eligible), self._busy is not None, ROLE_PREFILL)
         kind = (decode.disagg or {}).get("kind")
         raise MeshError(
             ErrorCode.NO_WORKER,

@@ -1,8 +1,8 @@
 """Prefill/decode pairs: what the routing core needs to send a request to a decode worker
 with a prefill worker (docs/disaggregation.md, "Routing a pair"). The choice itself is
-`Chooser`'s (`routing/choice.py`); here are its option, the roles and kinds it reads off
-the workers' cards, and the paths it counts. Imports nothing heavy: configs read it for
---help.
+`Chooser`'s (`routing/choice.py`); here are its option, the kinds it reads off the
+workers' cards (their roles: `shared/cards.py`), and the paths it counts. Imports nothing
+heavy: configs read it for --help.
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from genmesh.routing.policies import CacheAware, Policy, make_policy
+from genmesh.shared.cards import ROLE_PREFILL
 from genmesh.shared.settings import non_negative_int, option
 
 if TYPE_CHECKING:
     from genmesh.shared.discovery import WorkerInfo
 
-# The roles of `engines/base.py` (ROLE_PREFILL, ROLE_DECODE), as worker cards announce
-# them: the routing layer may not import the engines'.
-PREFILL, DECODE = "prefill", "decode"
 
 # How a request routed to a decode worker runs (`genmesh_pd_routed_total{path}`): with a
 # prefill worker; alone on the decode worker because little of its prompt is uncached
@@ -75,7 +73,7 @@ def prefill_workers(decode: WorkerInfo, live: list[WorkerInfo], fmt: str) -> lis
     return [
         w
         for w in live
-        if w.role == PREFILL and _kind(w) == kind and w.model == model and w.serves(fmt)
+        if w.role == ROLE_PREFILL and _kind(w) == kind and w.model == model and w.serves(fmt)
     ]
 
 

@@ -30,20 +30,31 @@ from genmesh.shared.bus import (
     publish,
     unsubscribe_quietly,
 )
+from genmesh.shared.cards import (
+    DEFAULT_HEARTBEAT_S,
+    MAX_COUNT,
+    MAX_MESSAGE_BYTES,
+    MAX_ROUTERS,
+    MAX_WORKERS,
+    ROLE_BOTH,
+    card_fault,
+    presence_fault,
+)
 from genmesh.shared.engine_info import EngineInfo
-from genmesh.shared.ids import is_subject_token
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner
+from genmesh.shared.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
 EXPIRY_HEARTBEATS = 3.0
-DEFAULT_HEARTBEAT_S = 1.0
 
 
 @dataclass(slots=True)
 class WorkerInfo:
     id: str
+    # Where its requests go: derived from the id (`Subjects.worker_generate`), never the
+    # card's `subject`, which anyone who may announce could point anywhere.
     subject: str
     card: dict[str, Any]
     last_seen: float
@@ -83,7 +94,7 @@ class WorkerInfo:
     def role(self) -> str:
         """`both`, `prefill` or `decode` (docs/disaggregation.md); `both` if unannounced."""
         role = self.card.get("role")
-        return role if isinstance(role, str) else "both"
+        return role if isinstance(role, str) else ROLE_BOTH
 
     @property
     def disagg(self) -> dict[str, Any] | None:
@@ -115,6 +126,8 @@ class WorkerDirectory:
         self._report_listeners: list[ReportListener] = []
         self._sub: Subscription | None = None
         self._tasks = TaskOwner("worker directory")
+        # What it ignored and why: garbage is anyone's to send, the log is not.
+        self._ignored = ThrottledLog(log)
 
     def on_change(self, listener: Listener) -> None:
         """Call `listener(event, worker)` on membership changes: "added"; "removed" (it
@@ -172,13 +185,21 @@ class WorkerDirectory:
     async def _on_message(self, msg: Msg) -> None:
         if msg.subject == self.subjects.query:
             return
+        if len(msg.data) > MAX_MESSAGE_BYTES:
+            self._ignored.info(
+                "ignored a discovery message of %d bytes on %s (the most is %d)",
+                len(msg.data),
+                msg.subject,
+                MAX_MESSAGE_BYTES,
+            )
+            return
         try:
             obj = message_codec(msg).decode(msg.data)
         except (UnknownCodecError, CodecError) as exc:
-            log.info("ignored unreadable discovery message: %s", exc)
+            self._ignored.info("ignored unreadable discovery message: %s", exc)
             return
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
-            log.info("ignored discovery message without a worker id")
+            self._ignored.info("ignored discovery message without an id on %s", msg.subject)
             return
         if msg.subject == self.subjects.router_presence:
             self._update_router(obj)
@@ -193,31 +214,43 @@ class WorkerDirectory:
             self._update(obj)
 
     def _update_router(self, presence: dict[str, Any]) -> None:
+        fault = presence_fault(presence)
+        if fault is not None:
+            self._ignored.info("ignored router presence %.80r: %s", presence["id"], fault)
+            return
         rid = presence["id"]
-        heartbeat = presence.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         if presence.get("leaving") is True:
             self.routers.pop(rid, None)
-        elif isinstance(heartbeat, int | float) and not isinstance(heartbeat, bool):
-            self.routers[rid] = (time.monotonic(), EXPIRY_HEARTBEATS * float(heartbeat))
+        elif rid not in self.routers and len(self.routers) >= MAX_ROUTERS:
+            self._ignored.info(
+                "ignored router presence %.80r: %d routers are known, the most a directory keeps",
+                rid,
+                MAX_ROUTERS,
+            )
+        else:
+            heartbeat = presence.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
+            self.routers[rid] = (time.monotonic(), EXPIRY_HEARTBEATS * heartbeat)
 
     def _update(self, card: dict[str, Any]) -> None:
-        wid = card["id"]
-        subject = card.get("subject")
-        inflight = card.get("inflight", 0)
-        capacity = card.get("capacity", 1)
-        heartbeat = card.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
-        if (
-            not is_subject_token(wid)
-            or not isinstance(subject, str)
-            or not isinstance(inflight, int)
-            or not isinstance(capacity, int)
-            or not isinstance(heartbeat, int | float)
-        ):
-            log.info("ignored malformed worker card for %r", wid)
+        fault = card_fault(card)
+        if fault is not None:
+            self._ignored.info("ignored worker card %.80r: %s", card.get("id"), fault)
             return
+        wid: str = card["id"]
+        inflight: int = card.get("inflight", 0)
+        capacity: int = card.get("capacity", 1)
+        heartbeat: float = card.get("heartbeat_s", DEFAULT_HEARTBEAT_S)
         now = time.monotonic()
         worker = self.workers.get(wid)
         if worker is None:
+            if len(self.workers) >= MAX_WORKERS:
+                self._ignored.info(
+                    "ignored worker card %.80r: %d workers are known, the most a directory keeps",
+                    wid,
+                    MAX_WORKERS,
+                )
+                return
+            subject = self.subjects.worker_generate(wid)
             worker = WorkerInfo(wid, subject, card, now, inflight, capacity)
             self.workers[wid] = worker
             log.info("worker %s joined (%s, model %s)", wid, card.get("engine"), worker.model)
@@ -225,13 +258,12 @@ class WorkerDirectory:
         if worker.engine_info is None or card.get("engine_info") != worker.card.get("engine_info"):
             worker.engine_info = EngineInfo.from_wire(card.get("engine_info"))
         worker.card = card
-        worker.subject = subject
         worker.last_seen = now
         worker.inflight = inflight
         worker.capacity = capacity
         worker.sent_since_report = 0
         worker.kv_blocks_sent = 0
-        worker.expires_after = EXPIRY_HEARTBEATS * float(heartbeat)
+        worker.expires_after = EXPIRY_HEARTBEATS * heartbeat
         worker.queued = _count(card.get("queued")) or 0
         worker.kv_blocks_used = _count(card.get("kv_blocks_used"))
         worker.kv_blocks_total = _count(card.get("kv_blocks_total"))
@@ -258,6 +290,6 @@ class WorkerDirectory:
 
 
 def _count(value: object) -> int | None:
-    """A card's optional count: a non-negative int, else None (absent, or from a peer that
+    """A card's optional count: an int in [0, 2^53), else None (absent, or from a peer that
     gets it wrong: treated as not announced, never as a refusal of the whole card)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    return value if type(value) is int and 0 <= value <= MAX_COUNT else None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import secrets
+import string
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
 
 # The longest request ID the mesh takes, in UTF-8 bytes: an envelope's `id` (echoed in
 # every frame, so its `ack` always fits NATS's max_payload), a cancel's (kept as a
@@ -36,8 +36,11 @@ def new_router_id() -> str:
 
 
 def is_subject_token(value: str) -> bool:
-    """True if `value` can stand as one NATS subject token (namespaces, worker IDs)."""
-    return bool(_TOKEN.match(value))
+    """True if `value` can stand as one NATS subject token (namespaces, worker IDs): 1-64
+    of A-Z a-z 0-9 _ -. (A set, not the regex `^[A-Za-z0-9_-]{1,64}$`, whose `$` also
+    matched before a final newline; and a few times faster, for every card discovery
+    checks.)"""
+    return 0 < len(value) <= 64 and _TOKEN_CHARS.issuperset(value)
 
 
 def id_problem(value: str, limit: int) -> str | None:

@@ -8,10 +8,10 @@ import os
 import sys
 from dataclasses import replace
 
-from genmesh.engines.base import ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL
 from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.shared.bus import NatsUnreachable, connect, redact
+from genmesh.shared.cards import ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, NatsAuthError
 from genmesh.shared.ids import new_router_id, new_worker_id

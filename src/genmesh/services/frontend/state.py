@@ -108,7 +108,7 @@ class MeshBackend:
         return self._catalog[1]
 
     def _worker_ids(self) -> set[str]:
-        return {w.card["id"] for w in self.directory.live() if isinstance(w.card.get("id"), str)}
+        return set(self.directory.workers)
 
     async def abort(self, order: AbortOrder) -> list[str]:
         subject = Subjects(self.namespace).abort

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from genmesh.engines import ENGINES, create_engine
-from genmesh.engines.base import ROLE_BOTH, ROLES
 from genmesh.engines.mock import MockConfig
 from genmesh.engines.sglang_pd import BootstrapConfig
 from genmesh.engines.zmq_events import ZmqEventsConfig
+from genmesh.shared.cards import DEFAULT_HEARTBEAT_S, ROLE_BOTH, ROLES, heartbeat_interval
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
@@ -35,9 +35,10 @@ class WorkerConfig:
         help="requests a worker runs at once; more are refused as overloaded (HTTP 503)",
     )
     heartbeat_interval_s: float = option(
-        1.0,
+        DEFAULT_HEARTBEAT_S,
         flag="--heartbeat-interval",
-        help="seconds between announcements; routers drop a worker after 3 missed",
+        parse=heartbeat_interval,
+        help="seconds between announcements, in (0, 3600]; routers drop a worker after 3 missed",
     )
     role: str = option(
         ROLE_BOTH,

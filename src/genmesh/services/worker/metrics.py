@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from genmesh.engines.base import ROLE_PREFILL
+from genmesh.shared.cards import ROLE_PREFILL
 from genmesh.shared.errors import ErrorCode
 from genmesh.shared.metrics import counter_by_code, new_registry
 

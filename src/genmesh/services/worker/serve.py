@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from genmesh.engines.base import ROLE_DECODE, Engine
+from genmesh.engines.base import Engine
 from genmesh.engines.faults import FaultyEngine
 from genmesh.services.worker.config import WorkerProcessConfig
 from genmesh.services.worker.faults import serve_fault_control
@@ -15,6 +15,7 @@ from genmesh.services.worker.metrics import worker_registry
 from genmesh.services.worker.service import Worker
 from genmesh.shared import tracing
 from genmesh.shared.bus import connect, drain_or_close
+from genmesh.shared.cards import ROLE_DECODE
 from genmesh.shared.lifecycle import stop_signals, tune_gc
 from genmesh.shared.metrics import serving_metrics
 from genmesh.shared.subjects import Subjects

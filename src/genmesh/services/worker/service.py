@@ -24,14 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
-from genmesh.engines.base import (
-    ROLE_BOTH,
-    ROLE_DECODE,
-    ROLE_PREFILL,
-    Engine,
-    EngineOutput,
-    disaggregating,
-)
+from genmesh.engines.base import Engine, EngineOutput, disaggregating
 from genmesh.engines.execute import execute
 from genmesh.services.worker import tracing as worker_tracing
 from genmesh.services.worker.admin import ABORTED, AdminHandlers, abort_end_frame
@@ -53,6 +46,7 @@ from genmesh.shared.bus import (
     publish,
     unsubscribe_quietly,
 )
+from genmesh.shared.cards import ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL
 from genmesh.shared.endpoint import EnvelopeEndpoint, Request
 from genmesh.shared.envelope import Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
