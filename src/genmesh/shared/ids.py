@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import secrets
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SUBJECT_TOKEN_RULE = "1-64 characters of A-Z a-z 0-9 _ -"
 
 
 def new_request_id() -> str:
@@ -28,4 +29,4 @@ def new_router_id() -> str:
 
 def is_subject_token(value: str) -> bool:
     """True if `value` can stand as one NATS subject token (namespaces, worker IDs)."""
-    return bool(_TOKEN.match(value))
+    return bool(_TOKEN.fullmatch(value))  # `$` would let "a\n" through

@@ -18,7 +18,14 @@ from genmesh.engines.zmq_events import ZmqEventsConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
-from genmesh.shared.settings import group, non_negative_float, option, positive_int
+from genmesh.shared.settings import (
+    group,
+    non_negative_float,
+    option,
+    positive_float,
+    positive_int,
+    subject_token,
+)
 
 if TYPE_CHECKING:
     from genmesh.engines.base import Engine
@@ -27,7 +34,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     worker_id: str = option(
-        default_factory=new_worker_id, help="worker id (a subject token); random if unset"
+        default_factory=new_worker_id,
+        parse=subject_token,
+        help="worker id (a subject token); random if unset",
     )
     max_concurrency: int = option(
         256,
@@ -37,6 +46,7 @@ class WorkerConfig:
     heartbeat_interval_s: float = option(
         1.0,
         flag="--heartbeat-interval",
+        parse=positive_float,
         help="seconds between announcements; routers drop a worker after 3 missed",
     )
     role: str = option(
