@@ -229,8 +229,8 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
         ready.result()
     except ChildExited as exc:
         # Its own last words (the port taken since, a bad setting) are on our stderr.
-        codes = ", ".join(f"{c.label} with code {c.returncode}" for c in exc.children)
-        _say(f"the mesh did not become ready: {codes} exited; stopping")
+        codes = ", ".join(f"{c.label} exited with code {c.returncode}" for c in exc.children)
+        _say(f"the mesh did not become ready: {codes}; stopping")
         return 1
     except NotReady as exc:
         _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({exc}); stopping")
