@@ -177,14 +177,14 @@ class RequestConfig:
         help="generation budget; also an --envelope's when its sampling has no max_tokens "
         "(null there: the engine's default, up to the whole context)",
     )
-    min_tokens: int = option(0, help="tokens before a stop may happen")
+    min_tokens: int = option(0, parse=non_negative_int, help="tokens before a stop may happen")
     seed: int | None = option(None, help="sampling seed")
     stop_token_ids: tuple[int, ...] | None = option(
         None, parse=token_ids, render=render_token_ids, help="e.g. 7,9"
     )
     ignore_eos: bool = option(False, help="do not stop at EOS")
     logprobs: bool = option(False, help="return output logprobs")
-    top_logprobs: int = option(0, help="alternatives per position")
+    top_logprobs: int = option(0, parse=non_negative_int, help="alternatives per position")
     worker: str | None = option(None, help="pin the request to this worker id")
     codec: str = option("msgpack", help="codec of the request (replies match it)")
     timeout_s: float = option(
