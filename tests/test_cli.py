@@ -313,7 +313,7 @@ def _get(url: str) -> str | None:
 # ------------------------------------------------ options checked before anything starts
 
 
-class _ForeignServer(http.server.HTTPServer):
+class ForeignServer(http.server.HTTPServer):
     """Another program's server, answering 200 to everything (its /health too)."""
 
     def __init__(self, port: int, *, reuse_port: bool) -> None:
@@ -343,7 +343,7 @@ def test_up_on_a_port_another_server_has_stops_before_starting_anything(
     """Its frontend could not listen (or, with SO_REUSEPORT on both sides, would share the
     port with the other server): refused at once, with nothing started."""
     port = free_port()
-    foreign = _ForeignServer(port, reuse_port=reuse_port)
+    foreign = ForeignServer(port, reuse_port=reuse_port)
     threading.Thread(target=foreign.serve_forever, daemon=True).start()
     frontends = "2" if reuse_port else "1"
     try:
