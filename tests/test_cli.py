@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
-from tests.inproc import AnyMesh
+from tests.inproc import AnyMesh, InProcessMesh
 from tests.mesh import free_port, wait_until
+from tests.test_mesh_behaviour import card
 
 pytestmark = pytest.mark.process
 
@@ -304,3 +308,162 @@ def _get(url: str) -> str | None:
             return str(r.read().decode())
     except OSError:
         return None
+
+
+# ------------------------------------------------ options checked before anything starts
+
+
+class ForeignServer(http.server.HTTPServer):
+    """Another program's server, answering 200 to everything (its /health too)."""
+
+    def __init__(self, port: int, *, reuse_port: bool) -> None:
+        self.reuse_port = reuse_port
+        super().__init__(("127.0.0.1", port), _Ok)
+
+    def server_bind(self) -> None:
+        if self.reuse_port:  # as a server that shares its port with its own copies does
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "so_reuseport"])
+def test_up_on_a_port_another_server_has_stops_before_starting_anything(
+    reuse_port: bool,
+) -> None:
+    """Its frontend could not listen (or, with SO_REUSEPORT on both sides, would share the
+    port with the other server): refused at once, with nothing started."""
+    port = free_port()
+    foreign = ForeignServer(port, reuse_port=reuse_port)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    frontends = "2" if reuse_port else "1"
+    try:
+        started = time.monotonic()
+        out = subprocess.run(
+            [*GENMESH, "up", "--port", str(port), "--frontends", frontends],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(GENMESH_MOCK_SPEEDUP="0"),
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        foreign.shutdown()
+        foreign.server_close()
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        f"genmesh up: cannot listen on 127.0.0.1:{port} (Address already in use): another "
+        "server has it; choose another --port\n"
+    )
+    assert out.stdout == ""  # no "genmesh is up"
+    assert elapsed < 10
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["up", "--workers", "0"],
+         "genmesh up: --workers 0 with no --prefill-workers or --decode-workers leaves the "
+         "mesh without a worker, and its frontend never ready: give --workers 1 or more"),
+        (["up", "--port", "0"],
+         "genmesh up: --port 0: up needs a fixed --port: it waits for its frontends there "
+         "(and --frontends above 1 share it)"),
+        (["up", "--namespace", "a.b"],
+         "genmesh up: error: argument --namespace: 'a.b' must be 1-64 characters of "
+         "A-Z a-z 0-9 _ - (see genmesh up --help)"),
+        (["request", "--namespace", "a.b", "--input-ids", "1"],
+         "genmesh request: error: argument --namespace: 'a.b' must be 1-64 characters of "
+         "A-Z a-z 0-9 _ - (see genmesh request --help)"),
+        (["request", "--timeout", "-5", "--input-ids", "1"],
+         "genmesh request: error: argument --timeout: '-5' must be a number above 0 "
+         "(see genmesh request --help)"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_one_line_before_anything_starts(argv: list[str], error: str) -> None:
+    """Each used to start (up: NATS, routers, workers; request: a NATS connection) and fail
+    30 s later, or with a traceback, or after retrying four times."""
+    started = time.monotonic()
+    out = subprocess.run(
+        [*GENMESH, *argv, "--nats-url", "nats://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert out.stderr == error + "\n"
+    assert time.monotonic() - started < 10
+
+
+def test_request_stopped_by_sigterm_cancels_at_the_worker(empty_mesh: InProcessMesh) -> None:
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    worker = empty_mesh.add_worker(speedup=0.05)
+    proc = subprocess.Popen(
+        [
+            *GENMESH, "request", "--nats-url", empty_mesh.nats_url,
+            "--namespace", empty_mesh.namespace, "--input-ids", "1,2",
+            "--max-tokens", "20000", "--ignore-eos",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        kinds = [json.loads(proc.stdout.readline())["t"] for _ in range(2)]
+        assert kinds == ["ack", "out"]
+        assert card(empty_mesh, worker.name)["inflight"] == 1
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+
+    def cancelled() -> bool:
+        now = card(empty_mesh, worker.name)
+        return bool(now["stats"]["cancelled"] == 1 and now["inflight"] == 0)
+
+    wait_until(cancelled, timeout=5, what="the worker to stop the request")
+
+
+@pytest.mark.parametrize(
+    ("sampling", "argv", "tokens"),
+    [({}, [], 16), ({}, ["--max-tokens", "3"], 3), ({"max_tokens": 2}, ["--max-tokens", "3"], 2)],
+    ids=["default", "flag", "envelope-wins"],
+)
+def test_request_envelope_without_a_budget_gets_max_tokens(
+    mesh: AnyMesh, tmp_path: Path, sampling: dict[str, int], argv: list[str], tokens: int
+) -> None:
+    """Without one, the mock writes its whole context: 32k lines."""
+    envelope = tmp_path / "envelope.json"
+    envelope.write_text(
+        json.dumps({"token_ids": [1, 2, 3], "sampling": {"ignore_eos": True, **sampling}})
+    )
+    out = subprocess.run(
+        [
+            *GENMESH, "request", "--nats-url", mesh.nats_url, "--namespace", mesh.namespace,
+            "--envelope", str(envelope), "--codec", "json", *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    frames = [json.loads(line) for line in out.stdout.splitlines()]
+    assert frames[-1]["t"] == "end"
+    assert frames[-1]["usage"]["completion_tokens"] == tokens

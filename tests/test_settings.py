@@ -194,10 +194,55 @@ def test_a_bad_variable_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) 
         config_from_env({"GENMESH_REQUEST_TRACE_ROLL_MB": "x"})
 
 
-def test_a_bad_flag_is_argparses_error(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["worker", "--max-concurrency", "0"],
+         "genmesh worker: error: argument --max-concurrency: '0' must be an integer above 0"),
+        (["worker", "--max-concurrency", "x"],  # not a number at all: argparse's words
+         "genmesh worker: error: argument --max-concurrency: invalid positive_int value: 'x'"),
+        (["request", "--timeout", "-5"],
+         "genmesh request: error: argument --timeout: '-5' must be a number above 0"),
+        (["request", "--timeout", "nan"],
+         "genmesh request: error: argument --timeout: 'nan' must be a number above 0"),
+        (["request", "--max-tokens", "-1"],
+         "genmesh request: error: argument --max-tokens: '-1' must be an integer of 0 or more"),
+        (["request", "--namespace", "a.b"],
+         "genmesh request: error: argument --namespace: 'a.b' must be 1-64 characters of "
+         "A-Z a-z 0-9 _ -"),
+        (["up", "--namespace", "a\n"],
+         "genmesh up: error: argument --namespace: 'a\\n' must be 1-64 characters of "
+         "A-Z a-z 0-9 _ -"),
+        (["worker", "--worker-id", "a b"],
+         "genmesh worker: error: argument --worker-id: 'a b' must be 1-64 characters of "
+         "A-Z a-z 0-9 _ -"),
+        (["router", "--router-id", "r>"],
+         "genmesh router: error: argument --router-id: 'r>' must be 1-64 characters of "
+         "A-Z a-z 0-9 _ -"),
+        (["worker", "--heartbeat-interval", "0"],
+         "genmesh worker: error: argument --heartbeat-interval: '0' must be a number above 0"),
+        (["trace", "replay", "f", "--url", "http://h", "--timeout", "0"],
+         "genmesh trace replay: error: argument --timeout: '0' must be a number above 0"),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_is_one_line_naming_the_rule(
+    capsys: pytest.CaptureFixture[str], argv: list[str], error: str
+) -> None:
+    """One line, not argparse's usage of 60 options first."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_command(argv, environ={})
+    assert exit_.value.code == 2
+    prog = error.split(": error:")[0]
+    assert capsys.readouterr().err == f"{error} (see {prog} --help)\n"
+
+
+def test_a_bad_variable_names_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        parse_command(["worker", "--max-concurrency", "0"], environ={})
-    assert "argument --max-concurrency: invalid positive_int value: '0'" in capsys.readouterr().err
+        parse_command(["frontend"], environ={"GENMESH_NAMESPACE": "a.b"})
+    assert capsys.readouterr().err == (
+        "genmesh frontend: error: GENMESH_NAMESPACE='a.b' is not a valid value for "
+        "--namespace: must be 1-64 characters of A-Z a-z 0-9 _ - (see genmesh frontend --help)\n"
+    )
 
 
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default() -> None:

@@ -7,13 +7,16 @@ import json
 import re
 import signal
 import subprocess
+import sys
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from genmesh.supervisor import NotReady, Supervisor, run_blocking, wait_http_ok_from
 from tests.mesh import free_port
-from tests.test_cli import GENMESH, clean_env, up_summary
+from tests.test_cli import GENMESH, ForeignServer, clean_env, up_summary
 
 pytestmark = pytest.mark.process
 
@@ -84,3 +87,48 @@ def test_several_frontends_need_a_fixed_port() -> None:
     )
     assert result.returncode == 2
     assert "needs a fixed --port" in result.stderr
+
+
+_OWN_FRONTEND = """
+import http.server, os, socket, sys
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("X-Genmesh-Pid", str(os.getpid()))
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+class Server(http.server.HTTPServer):
+    def server_bind(self):
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+Server(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["silent-child", "child-answers"])
+def test_readiness_counts_only_its_own_frontends_answers(tmp_path: Path, answers: bool) -> None:
+    """Another server on the port (SO_REUSEPORT: the kernel hands it some of the probes)
+    answers /health 200; only the child's own pid in X-Genmesh-Pid makes it ready."""
+    port = free_port()
+    foreign = ForeignServer(port, reuse_port=True)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    supervisor = Supervisor(logdir=tmp_path)
+    script = ["-c", _OWN_FRONTEND, str(port)] if answers else ["-c", "import time; time.sleep(60)"]
+    child = supervisor.spawn("frontend", "frontend", [sys.executable, *script])
+    try:
+        timeout_s = 20 if answers else 2
+        ready = wait_http_ok_from(f"http://127.0.0.1:{port}/health", [child], timeout_s=timeout_s)
+        if answers:
+            run_blocking(ready)
+        else:
+            with pytest.raises(NotReady, match=rf"pid {child.pid} not ready in 2s"):
+                run_blocking(ready)
+    finally:
+        supervisor.stop()
+        foreign.shutdown()
+        foreign.server_close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,14 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake is one line (argparse would print the whole usage first, which for a
+    command of 60 options buries the line that matters)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def load_config_class(command: Command) -> type:
     """The config class of `command` (imported now)."""
     config: type = load(command.config)
@@ -32,7 +41,7 @@ def load_config_class(command: Command) -> type:
 
 def _top_parser() -> argparse.ArgumentParser:
     """`genmesh --help`: the commands and what they do, without loading any of them."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="genmesh",
         description=(
             "genmesh: a serving mesh over NATS for the native token-in/token-out generate "
@@ -58,7 +67,7 @@ def _command_parser(
     from genmesh.shared.settings import ConfigOptions
 
     if parser is None:
-        parser = argparse.ArgumentParser(
+        parser = _Parser(
             prog=prog,
             description=command.description,
             epilog=command.full_epilog(),
@@ -100,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(config)
     except KeyboardInterrupt:
-        return 130
+        return commands.STOPPED_BY_SIGNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

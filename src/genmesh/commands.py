@@ -6,6 +6,7 @@ imports no NATS or HTTP library."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -15,11 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, NatsAuthError, nats_auth_group
-from genmesh.shared.ids import is_subject_token
 from genmesh.shared.natsserver import NatsServer, NatsServerConfig, NatsServerError
-from genmesh.shared.settings import group, option, render_token_ids, token_ids
+from genmesh.shared.settings import (
+    group,
+    non_negative_int,
+    option,
+    positive_float,
+    render_token_ids,
+    token_ids,
+)
 
 if TYPE_CHECKING:
+    from genmesh.client import MeshClient
     from genmesh.records.config import TraceCheckConfig, TraceReplayConfig
     from genmesh.services.frontend.config import FrontendConfig
     from genmesh.services.router.config import RouterConfig
@@ -27,6 +35,10 @@ if TYPE_CHECKING:
     from genmesh.shared.envelope import Envelope
     from genmesh.testkit.config import TestkitConfig
     from genmesh.up.config import UpConfig
+
+
+# The exit status of a command stopped by Ctrl-C or SIGTERM, as a shell reports SIGINT.
+STOPPED_BY_SIGNAL = 130
 
 
 def _fail(message: str) -> int:
@@ -47,12 +59,6 @@ def _run_service(coro: Coroutine[Any, Any, None], event_loop: str) -> int:
     except OSError as exc:  # e.g. the HTTP port is taken
         return _fail(f"{exc.strerror or exc}")
     return 0
-
-
-def _subject_token(flag: str, value: str) -> str | None:
-    if is_subject_token(value):
-        return None
-    return f"{flag} {value!r} must be 1-64 characters of A-Z a-z 0-9 _ -"
 
 
 def cmd_frontend(config: FrontendConfig) -> int:
@@ -89,8 +95,6 @@ def cmd_router(config: RouterConfig) -> int:
     from genmesh.services.router.serve import serve_router
     from genmesh.shared.lifecycle import configure_logging
 
-    if wrong := _subject_token("--router-id", config.router_id):
-        return _fail(wrong)
     configure_logging(config.mesh.log_level, "router")
     return _run_service(serve_router(config), config.mesh.event_loop)
 
@@ -100,8 +104,6 @@ def cmd_worker(config: WorkerProcessConfig) -> int:
     from genmesh.shared.lifecycle import configure_logging
 
     worker_id = config.service.worker_id
-    if wrong := _subject_token("--worker-id", worker_id):
-        return _fail(wrong)
     configure_logging(config.mesh.log_level, f"worker[{worker_id}]")
     try:  # the settings are checked before connecting to anything
         engine = config.new_engine()
@@ -169,18 +171,25 @@ class RequestConfig:
         None, parse=token_ids, render=render_token_ids, help="prompt, e.g. 1,2,3"
     )
     envelope: str | None = option(None, help="a JSON envelope file ('-' = stdin) instead")
-    max_tokens: int = option(16, help="generation budget")
-    min_tokens: int = option(0, help="tokens before a stop may happen")
+    max_tokens: int = option(
+        16,
+        parse=non_negative_int,
+        help="generation budget; also an --envelope's when its sampling has no max_tokens "
+        "(null there: the engine's default, up to the whole context)",
+    )
+    min_tokens: int = option(0, parse=non_negative_int, help="tokens before a stop may happen")
     seed: int | None = option(None, help="sampling seed")
     stop_token_ids: tuple[int, ...] | None = option(
         None, parse=token_ids, render=render_token_ids, help="e.g. 7,9"
     )
     ignore_eos: bool = option(False, help="do not stop at EOS")
     logprobs: bool = option(False, help="return output logprobs")
-    top_logprobs: int = option(0, help="alternatives per position")
+    top_logprobs: int = option(0, parse=non_negative_int, help="alternatives per position")
     worker: str | None = option(None, help="pin the request to this worker id")
     codec: str = option("msgpack", help="codec of the request (replies match it)")
-    timeout_s: float = option(60.0, flag="--timeout", help="seconds of silence before giving up")
+    timeout_s: float = option(
+        60.0, flag="--timeout", parse=positive_float, help="seconds of silence before giving up"
+    )
 
 
 def cmd_request(config: RequestConfig) -> int:
@@ -199,6 +208,10 @@ def cmd_request(config: RequestConfig) -> int:
             if isinstance(obj, dict):
                 obj.setdefault("v", 1)
                 obj.setdefault("id", new_request_id())
+                # Without a budget the mock writes its whole context: 32k lines.
+                sampling = obj.get("sampling", {})
+                if isinstance(sampling, dict):
+                    obj["sampling"] = {"max_tokens": config.max_tokens, **sampling}
             envelope = Envelope.from_wire(obj)
         except (OSError, ValueError, EnvelopeError) as exc:
             return _fail(f"bad --envelope: {exc}")
@@ -225,6 +238,7 @@ async def _request(config: RequestConfig, envelope: Envelope) -> int:
     from genmesh.client import MeshClient
     from genmesh.shared import tracing
     from genmesh.shared.bus import NatsPermissionDenied, NatsUnreachable
+    from genmesh.shared.lifecycle import stop_signals
 
     try:  # OTEL_* variables: the request's attempts are a trace (console spans: stderr)
         tracing.configure("client", console=sys.stderr)
@@ -240,10 +254,26 @@ async def _request(config: RequestConfig, envelope: Envelope) -> int:
         )
     except (NatsUnreachable, NatsAuthError, NatsPermissionDenied, LookupError) as exc:
         return _fail(str(exc))
+    async with client, tracing.running("client"), stop_signals() as stop:
+        printing = asyncio.ensure_future(_print_frames(client, envelope))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({printing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if printing.done():
+            return printing.result()
+        # Ctrl-C, SIGTERM: cancelling the generation publishes the request's cancel,
+        # which the client's close flushes, so the worker stops too.
+        printing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await printing
+    return STOPPED_BY_SIGNAL
+
+
+async def _print_frames(client: MeshClient, envelope: Envelope) -> int:
+    """Print each frame as a JSON line; 0 if the request ended, 1 if it failed."""
     status = 1
-    async with client, tracing.running("client"):
-        async for frame in client.generate(envelope):
-            print(json.dumps(frame), flush=True)
-            if frame["t"] == "end":
-                status = 0
+    async for frame in client.generate(envelope):
+        print(json.dumps(frame), flush=True)
+        if frame["t"] == "end":
+            status = 0
     return status

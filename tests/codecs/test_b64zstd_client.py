@@ -210,8 +210,14 @@ def test_the_catalog_wraps_sglang() -> None:
     assert fmt.name == "sglang+b64zstd"
     assert {(r.method, r.path) for r in fmt.routes} >= {("POST", "/generate")}
     assert isinstance(fmt, CodecFormat)
-    assert fmt.joiners["output_ids"] == fmt.codec.joiners["output_ids"]
-    assert fmt.joiners["meta_info.routed_experts"] == fmt.codec.joiners["output_ids"]
+    # The codec's joiners fold an encoded answer; a plain one folds as plain SGLang's.
+    encoded = fmt.exchange(fmt.bind({"input_ids": encode_int32([1, 2])}, {}), "id", 0.0)
+    assert encoded.joiners is not None
+    assert encoded.joiners["output_ids"] == fmt.codec.joiners["output_ids"]
+    assert encoded.joiners["meta_info.routed_experts"] == fmt.codec.joiners["output_ids"]
+    plain = fmt.exchange(fmt.bind({"input_ids": [1, 2]}, {}), "id", 0.0)
+    assert plain.joiners is None
+    assert fmt.joiners is SglangFormat.joiners
 
 
 def test_the_catalog_refuses_unknown_pairs() -> None:
@@ -323,7 +329,10 @@ def test_folding_encoded_records_equals_encoding_the_fold(case: Any) -> None:
     encoded = [codec.encode_record(r) for r in plain]
 
     plain_fold = fold(plain, inner.merge_rules, inner.joiners)
-    encoded_fold = fold(encoded, fmt.merge_rules, fmt.joiners)
+    # The joiners the frontend folds an encoded answer with: its exchange's.
+    encoded_bound = fmt.bind({**body, "input_ids": encode_int32([1, 2, 3])}, {})
+    joiners = fmt.exchange(encoded_bound, "public", time.monotonic()).joiners
+    encoded_fold = fold(encoded, fmt.merge_rules, joiners)
     assert encoded_fold == codec.encode_record(plain_fold)
     assert list(encoded_fold) == list(plain_fold)
 
@@ -337,6 +346,32 @@ def test_folding_encoded_records_equals_encoding_the_fold(case: Any) -> None:
         )
     else:
         assert "routed_experts" not in encoded_fold["meta_info"]
+
+
+@pytest.mark.parametrize(
+    ("ids", "encoded"),
+    [
+        (encode_int32([1]), True),
+        ([encode_int32([1]), [2]], True),
+        ([1], False),
+        ([[1], [2]], False),
+        ([1, "x"], True),  # refused by the format, which names the string
+        (None, False),
+    ],
+)
+def test_the_answer_mirrors_how_the_prompt_came(ids: Any, encoded: bool) -> None:
+    assert codec.encodes_answer({"input_ids": ids}) is encoded
+
+
+def test_a_plain_request_is_answered_by_sglangs_own_exchange() -> None:
+    fmt = wrapped()
+    bound = fmt.bind({"input_ids": [1, 2, 3], "return_routed_experts": True}, {})
+    exchange = fmt.exchange(bound, "public", time.monotonic())
+    frames = frames_for([[4, 5], [6]], rows_per_token=2, prompt_rows=3)
+    records = [exchange.render(0, f) for f in frames if f["t"] in ("out", "end")]
+    assert [r["output_ids"] for r in records] == [[4, 5], [6]]
+    raw = base64.b64decode(records[1]["meta_info"]["routed_experts"], validate=True)
+    assert struct.unpack("<2i", raw) == (6 % 97, 6 % 97 + 1)  # SGLang's Base64, not zstd
 
 
 def test_the_wrapped_exchange_renders_encoded_records() -> None:

@@ -133,11 +133,25 @@ async def test_unary_matches_plain_sglang(fronts: Frontends) -> None:
     assert b.headers["x-request-id"] == "same-id"
 
 
-async def test_plain_input_ids_still_work_and_output_is_encoded(fronts: Frontends) -> None:
-    a = await post(fronts.plain, {**BASE, "input_ids": [1, 2, 3]})
-    b = await post(fronts.packed, {**BASE, "input_ids": [1, 2, 3]})
-    assert a.status == b.status == 200
-    assert unpack(b.body) == plain(a.body)
+@pytest.mark.parametrize("ids", [[1, 2, 3], [[1, 2, 3], [4]]], ids=["prompt", "batch"])
+async def test_plain_input_ids_get_sglangs_plain_answer(fronts: Frontends, ids: Any) -> None:
+    """The answer mirrors the request: a client that sent no Base64 gets none back
+    (routed experts as the SGLang format's own plain Base64, not compressed)."""
+    body = {**BASE, "input_ids": ids, "return_routed_experts": True}
+    a = await post(fronts.plain, body)
+    b = await post(fronts.packed, body)
+    assert a.status == b.status == 200, (a.body, b.body)
+    records = b.body if isinstance(b.body, list) else [b.body]
+    assert all(isinstance(r["output_ids"], list) for r in records)
+    assert plain(b.body) == plain(a.body)
+    sa = await stream(fronts.plain, {**body, "stream": True})
+    sb = await stream(fronts.packed, {**body, "stream": True})
+    assert all(isinstance(c["output_ids"], list) for c in sb.events[:-1])
+
+    def by_item(events: list[Any]) -> list[Any]:  # a batch's items interleave as they come
+        return sorted((plain_record(c) for c in events[:-1]), key=lambda c: c.get("index", 0))
+
+    assert by_item(sb.events) == by_item(sa.events)
 
 
 async def test_sse_chunks_match_plain_sglang(fronts: Frontends) -> None:

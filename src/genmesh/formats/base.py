@@ -69,6 +69,10 @@ class Bound:
 class Exchange(ABC):
     """Per-request rendering state: frames in, native records and bodies out."""
 
+    # The joiners of this request's `delta` fields, when they are not its format's
+    # `joiners` (a client codec encodes the answer to a request that came encoded only).
+    joiners: Mapping[str, Joiner] | None = None
+
     @abstractmethod
     def render(self, index: int, frame: OutputFrame) -> Record:
         """The record of item `index` for one `out` or `end` frame."""

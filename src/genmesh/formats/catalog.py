@@ -59,7 +59,10 @@ def installed_client_codecs() -> dict[str, ClientCodec]:
             log.error("client codec %s (%s) failed to load: %s", ep.name, ep.value, exc)
             continue
         if not isinstance(codec, ClientCodec):
-            log.error("client codec %s lacks decode_request/encode_record; skipped", ep.name)
+            log.error(
+                "client codec %s lacks decode_request/encodes_answer/encode_record; skipped",
+                ep.name,
+            )
             continue
         found[ep.name] = codec
     return found

@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from genmesh.records.hashing import DEFAULT_BLOCK_SIZE
-from genmesh.shared.settings import from_env, non_negative_float, option, positive_int
+from genmesh.shared.settings import (
+    from_env,
+    non_negative_float,
+    option,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_ROLL_MB = 256.0
 
@@ -83,7 +89,11 @@ class TraceReplayConfig:
     url: str = option(env=None, help="frontend address, e.g. http://127.0.0.1:8000")
     concurrency: int = option(8, env=None, parse=positive_int, help="requests in flight at once")
     timeout_s: float = option(
-        120.0, flag="--timeout", env=None, help="seconds one replayed request may take"
+        120.0,
+        flag="--timeout",
+        env=None,
+        parse=positive_float,
+        help="seconds one replayed request may take",
     )
     as_json: bool = option(False, flag="--json", env=None, help="print the summary as JSON")
     progress: bool = option(True, flag="--no-progress", env=None, help="no progress bar on stderr")

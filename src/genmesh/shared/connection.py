@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genmesh.shared.settings import option
+from genmesh.shared.settings import option, subject_token
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -19,7 +19,11 @@ class MeshConnection:
     nats_url: str = option(
         DEFAULT_NATS_URL, help="NATS server URL; several, comma-separated, for a cluster"
     )
-    namespace: str = option("default", help="mesh namespace (a subject token)")
+    namespace: str = option(
+        "default",
+        parse=subject_token,
+        help="mesh namespace (a subject token: NATS subjects hold it)",
+    )
     log_level: str = option("info", choices=LOG_LEVELS, help="log level")
     # asyncio's own loop stays one option away: for debugging, or a platform without uvloop.
     event_loop: str = option(

@@ -6,6 +6,7 @@ import secrets
 import string
 
 _TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
+SUBJECT_TOKEN_RULE = "1-64 characters of A-Z a-z 0-9 _ -"
 
 # The longest request ID the mesh takes, in UTF-8 bytes: an envelope's `id` (echoed in
 # every frame, so its `ack` always fits NATS's max_payload), a cancel's (kept as a

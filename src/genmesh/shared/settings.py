@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field
 from types import NoneType, UnionType
 from typing import Any, TypeVar
+
+from genmesh.shared.ids import SUBJECT_TOKEN_RULE, is_subject_token
 
 T = TypeVar("T")
 
@@ -145,32 +148,44 @@ def group(
 # --------------------------------------------------------------------------- parsers
 
 
+class InvalidText(ValueError):
+    """Raised by a parse function: its message says what a valid value is ("must be a
+    number above 0"), for the one-line error that names the flag or variable."""
+
+
 def positive_int(text: str) -> int:
     number = int(text)
     if number < 1:
-        raise ValueError(text)
+        raise InvalidText("must be an integer above 0")
     return number
 
 
 def non_negative_int(text: str) -> int:
     number = int(text)
     if number < 0:
-        raise ValueError(text)
+        raise InvalidText("must be an integer of 0 or more")
     return number
 
 
 def non_negative_float(text: str) -> float:
     number = float(text)
-    if number < 0:
-        raise ValueError(text)
+    if not 0 <= number < math.inf:  # NaN too
+        raise InvalidText("must be a number of 0 or more")
     return number
 
 
 def positive_float(text: str) -> float:
     number = float(text)
-    if not number > 0:  # NaN too
-        raise ValueError(text)
+    if not 0 < number < math.inf:  # NaN too
+        raise InvalidText("must be a number above 0")
     return number
+
+
+def subject_token(text: str) -> str:
+    """A name that stands as one NATS subject token: a namespace, a worker or router id."""
+    if not is_subject_token(text):
+        raise InvalidText(f"must be {SUBJECT_TOKEN_RULE}")
+    return text
 
 
 def token_ids(text: str) -> tuple[int, ...]:
@@ -212,8 +227,9 @@ class Spec:
     def dest(self) -> str:
         return ".".join(self.path)
 
-    def error(self, raw: str) -> InvalidValue:
-        return InvalidValue(f"{self.env}={raw!r} is not a valid value for {self.flag}")
+    def error(self, raw: str, why: str = "") -> InvalidValue:
+        reason = f": {why}" if why else ""
+        return InvalidValue(f"{self.env}={raw!r} is not a valid value for {self.flag}{reason}")
 
     def from_text(self, raw: str) -> Any:
         """A variable's text as this option's value; InvalidValue if it does not parse."""
@@ -226,6 +242,8 @@ class Spec:
     def _one(self, text: str, raw: str) -> Any:
         try:
             value = self.parse(text)
+        except InvalidText as exc:
+            raise self.error(raw, str(exc)) from exc
         except (TypeError, ValueError) as exc:
             raise self.error(raw) from exc
         if self.option.choices is not None and value not in self.option.choices:
@@ -432,7 +450,7 @@ class ConfigOptions:
         if declared.positional:
             target.add_argument(
                 spec.dest,
-                type=spec.parse,
+                type=_argparse_type(spec.parse),
                 nargs="+" if spec.kind == "list" else None,
                 choices=declared.choices,
                 metavar=declared.metavar,
@@ -450,7 +468,7 @@ class ConfigOptions:
             target.add_argument(
                 spec.flag,
                 dest=spec.dest,
-                type=spec.parse,
+                type=_argparse_type(spec.parse),
                 action="append" if spec.kind == "list" else "store",
                 default=None if value is MISSING or spec.kind == "list" else value,
                 choices=declared.choices,
@@ -494,6 +512,21 @@ def _assemble(cls: type, instance: Any, path: tuple[str, ...], values: Mapping[s
         elif instance is not None:
             kwargs[f.name] = getattr(instance, f.name)
     return cls(**kwargs)
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for argparse: an `InvalidText` reason goes into its one-line error
+    (`argument --timeout: '-5' must be a number above 0`)."""
+
+    def parse_arg(text: str) -> Any:
+        try:
+            return parse(text)
+        except InvalidText as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} {exc}") from None
+
+    # argparse names the type in its own error ("invalid int value: 'x'").
+    parse_arg.__name__ = getattr(parse, "__name__", "value")
+    return parse_arg
 
 
 def _metavar(spec: Spec) -> str | None:

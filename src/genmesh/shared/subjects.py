@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genmesh.shared.ids import is_subject_token
+from genmesh.shared.ids import SUBJECT_TOKEN_RULE, is_subject_token
 
 ROUTER_QUEUE_GROUP = "router"
 
@@ -15,9 +15,7 @@ class Subjects:
 
     def __post_init__(self) -> None:
         if not is_subject_token(self.namespace):
-            raise ValueError(
-                f"namespace {self.namespace!r} must be 1-64 characters of A-Z a-z 0-9 _ -"
-            )
+            raise ValueError(f"namespace {self.namespace!r} must be {SUBJECT_TOKEN_RULE}")
 
     @property
     def prefix(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import sys
@@ -62,6 +63,11 @@ def worker_configs(config: UpConfig) -> list[WorkerProcessConfig]:
         plans: list[tuple[str, str | None]] = [
             (role, None) for role, count in counts.items() for _ in range(count)
         ]
+        if not plans:
+            raise ValueError(
+                "--workers 0 with no --prefill-workers or --decode-workers leaves the mesh "
+                "without a worker, and its frontend never ready: give --workers 1 or more"
+            )
     else:
         for role, flag in _COUNT_FLAGS.items():
             if counts[role]:
@@ -133,14 +139,37 @@ def child_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in own}
 
 
+async def _check_port_free(host: str, port: int) -> None:
+    """ValueError if `host:port` cannot be listened on (another server has it), found by
+    listening there as a frontend would, for a moment: before anything starts, rather
+    than a frontend's failure once the rest of the mesh is up. A server that took the
+    port since is caught by the readiness check (`wait_http_ok_from`: only our frontends'
+    pids count)."""
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            asyncio.Protocol, host, port, reuse_address=True
+        )
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        taken = exc.errno == errno.EADDRINUSE
+        hint = ": another server has it; choose another --port" if taken else ""
+        raise ValueError(f"cannot listen on {host}:{port} ({why}){hint}") from None
+    server.close()
+    await server.wait_closed()
+
+
 async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> int:
     if config.routers == 0 and config.frontend.routing == "routers":
         _say("--routing routers needs a router: give --routers 1 or more")
         return 2
     try:
         workers = worker_configs(config)
-        if config.frontends > 1 and config.frontend.port == 0:
-            raise ValueError("--frontends above 1 needs a fixed --port, which they share")
+        if config.frontend.port == 0:
+            raise ValueError(
+                "--port 0: up needs a fixed --port: it waits for its frontends there (and "
+                "--frontends above 1 share it)"
+            )
+        await _check_port_free(config.frontend.host, config.frontend.port)
     except ValueError as exc:
         _say(str(exc))
         return 2
@@ -198,9 +227,13 @@ async def _up(config: UpConfig, supervisor: Supervisor, stop: asyncio.Event) -> 
         return 0
     try:
         ready.result()
-    except (NotReady, ChildExited) as exc:
-        why = "a frontend exited" if isinstance(exc, ChildExited) else str(exc)
-        _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({why}); stopping")
+    except ChildExited as exc:
+        # Its own last words (the port taken since, a bad setting) are on our stderr.
+        codes = ", ".join(f"{c.label} exited with code {c.returncode}" for c in exc.children)
+        _say(f"the mesh did not become ready: {codes}; stopping")
+        return 1
+    except NotReady as exc:
+        _say(f"the mesh did not become ready in {READY_TIMEOUT_S:g}s ({exc}); stopping")
         return 1
     _print_summary(config, url, supervisor, http_url)
     return 1 if await _watch(supervisor, stop) else 0

@@ -7,9 +7,13 @@ Integer arrays travel as `base64(zstd(int32 little-endian))`:
   (the format rejects it in its own words). A string decodes straight into the packed
   prompt (`TokenIds`, the array the format would have packed a list into), so a long
   prompt makes no Python int per token;
-- record `output_ids`: always encoded;
+- record `output_ids`: encoded;
 - record `meta_info.routed_experts`: the SGLang format already sends Base64 of
   little-endian int32; the codec compresses the bytes and re-encodes them.
+
+The answer mirrors the request: records are encoded when some prompt came encoded, and
+left as the SGLang format renders them when every prompt was a plain list
+(`encodes_answer`), so a client that never sent Base64 never has to decode it.
 
 Both record fields are `delta`s: two chunks join by decode, concatenate, encode, so the
 unary body is the encoding of the whole sequence (zstd at a fixed level is deterministic:
@@ -92,6 +96,14 @@ class B64ZstdClientCodec:
             ]
             return {**request, "input_ids": decoded}
         return request
+
+    def encodes_answer(self, request: Any) -> bool:
+        if not isinstance(request, dict):
+            return False
+        ids = request.get("input_ids")
+        if isinstance(ids, list):
+            return any(isinstance(item, str) for item in ids)
+        return isinstance(ids, str)
 
     # ------------------------------------------------------------------ records
 

@@ -27,7 +27,8 @@ class ItemRecords:
         self.index = index
         self.attempt = 0
         self._rebaser = Rebaser(fmt.merge_rules) if stream else None
-        self._merger = None if stream else Merger(fmt.merge_rules, fmt.joiners)
+        joiners = fmt.joiners if exchange.joiners is None else exchange.joiners
+        self._merger = None if stream else Merger(fmt.merge_rules, joiners)
 
     def migrated(self) -> None:
         """The generation continues in a new attempt (a `mig` frame)."""

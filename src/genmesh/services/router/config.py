@@ -11,7 +11,7 @@ from genmesh.routing.policies import POLICY_OPTION, KvConfig
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_router_id
-from genmesh.shared.settings import group, option, reuse
+from genmesh.shared.settings import group, option, reuse, subject_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,9 @@ class RouterConfig:
     # Given by whoever starts routers and waits for them (`genmesh up`, the tests): a
     # router's presence in discovery names it.
     router_id: str = option(
-        default_factory=new_router_id, help="router id (a subject token); random if unset"
+        default_factory=new_router_id,
+        parse=subject_token,
+        help="router id (a subject token); random if unset",
     )
     policy: str = reuse(POLICY_OPTION)
     kv: KvConfig = group(KvConfig(), title="kv policy")

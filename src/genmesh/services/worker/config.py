@@ -18,7 +18,13 @@ from genmesh.shared.cards import DEFAULT_HEARTBEAT_S, ROLE_BOTH, ROLES, heartbea
 from genmesh.shared.connection import MeshConnection, MetricsConfig
 from genmesh.shared.credentials import NatsAuth, nats_auth_group
 from genmesh.shared.ids import new_worker_id
-from genmesh.shared.settings import group, non_negative_float, option, positive_int
+from genmesh.shared.settings import (
+    group,
+    non_negative_float,
+    option,
+    positive_int,
+    subject_token,
+)
 
 if TYPE_CHECKING:
     from genmesh.engines.base import Engine
@@ -27,7 +33,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     worker_id: str = option(
-        default_factory=new_worker_id, help="worker id (a subject token); random if unset"
+        default_factory=new_worker_id,
+        parse=subject_token,
+        help="worker id (a subject token); random if unset",
     )
     max_concurrency: int = option(
         256,
