@@ -185,6 +185,9 @@ def test_a_worker_cannot_be_given_a_heartbeat_directories_would_refuse(
 ) -> None:
     with pytest.raises(SystemExit):
         parse(WorkerConfig, ["--heartbeat-interval", interval], environ={})
-    assert f"invalid heartbeat_interval value: '{interval}'" in capsys.readouterr().err
+    assert (
+        f"argument --heartbeat-interval: '{interval}' must be a number above 0 and at most 3600"
+        in capsys.readouterr().err
+    )
     edge = parse(WorkerConfig, ["--heartbeat-interval", "3600"], environ={})
     assert edge.heartbeat_interval_s == 3600.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from genmesh.shared.ids import is_subject_token
+from genmesh.shared.settings import InvalidText
 
 # A worker's part in prefill/decode disaggregation (`--role`, docs/disaggregation.md).
 ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = "both", "prefill", "decode"
@@ -52,7 +53,7 @@ def heartbeat_interval(text: str) -> float:
     """A heartbeat interval from the command line: what a directory will believe."""
     number = float(text)
     if heartbeat_fault(number) is not None:
-        raise ValueError(text)
+        raise InvalidText(f"must be a number above 0 and at most {MAX_HEARTBEAT_S:g}")
     return number
 
 
