@@ -220,7 +220,8 @@ def test_a_bad_variable_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) 
          "genmesh router: error: argument --router-id: 'r>' must be 1-64 characters of "
          "A-Z a-z 0-9 _ -"),
         (["worker", "--heartbeat-interval", "0"],
-         "genmesh worker: error: argument --heartbeat-interval: '0' must be a number above 0 and at most 3600"),
+         "genmesh worker: error: argument --heartbeat-interval: '0' must be a number above 0 "
+         "and at most 3600"),
         (["trace", "replay", "f", "--url", "http://h", "--timeout", "0"],
          "genmesh trace replay: error: argument --timeout: '0' must be a number above 0"),
     ],
