@@ -214,3 +214,40 @@ async def test_a_frontend_that_routes_itself_sends_the_pair(nats_url: str, nc: C
         assert pd_routed(exposition) == {"disaggregated": 2, "local": 0, "fallback": 0}
     finally:
         await frontend.close()
+
+
+async def test_a_request_the_routers_header_would_tip_over_the_limit_is_refused(
+    nc: Client, namespace: str
+) -> None:
+    """An envelope that fits the server's max_payload, but not with the pairing header the
+    router adds, is refused in so many words; the router is not cut off the mesh (the
+    server closes a connection that publishes past the limit) and serves the next one."""
+    subjects = Subjects(namespace)
+    router = Router(nc, subjects, router_id="r-pd3")
+    await router.start()
+    workers = await stand_ins(nc, namespace, ("d1", "decode"), ("p1", "prefill"))
+    try:
+        await eventually(lambda: len(router.directory.live()) == 2, "both cards")
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        envelope = request([1, 2, 3], max_tokens=1)
+        bare = len(MSGPACK.encode(envelope.to_wire()))
+        envelope.engine = {"pad": ""}
+        padding = nc.max_payload - len(MSGPACK.encode(envelope.to_wire()))
+        envelope.engine = {"pad": "x" * padding}
+        data = MSGPACK.encode(envelope.to_wire())
+        envelope.engine = {"pad": "x" * (padding - (len(data) - nc.max_payload))}  # str32
+        data = MSGPACK.encode(envelope.to_wire())
+        assert len(data) == nc.max_payload > bare
+        await nc.publish(subjects.router_generate, data, reply=inbox)
+        refusal = MSGPACK.decode((await sub.next_msg(timeout=5)).data)
+        assert (refusal["t"], refusal["code"]) == ("err", "invalid_argument")
+        assert refusal["message"].startswith("the request is too large: a message of ")
+        assert workers["d1"].received == []
+        assert (await sub.next_msg(timeout=5)).data == b""  # the stream's terminator
+        assert router.nc.is_connected
+        envelope = request([1, 2, 3], max_tokens=1)
+        await nc.publish(subjects.router_generate, MSGPACK.encode(envelope.to_wire()), reply=inbox)
+        assert MSGPACK.decode((await sub.next_msg(timeout=5)).data)["t"] == "ack"
+    finally:
+        await router.stop()

@@ -27,6 +27,8 @@ from genmesh.services.router import tracing as router_tracing
 from genmesh.shared import frames, tracing
 from genmesh.shared.bus import (
     PREFILL_HEADER,
+    PayloadTooLarge,
+    check_fits,
     check_subscriptions,
     codec_headers,
     message_codec,
@@ -204,7 +206,10 @@ class Router(Service):
             self._held.pop(rid, None)
         if span is not None:
             tracing.admission_waited(span.span, asyncio.get_running_loop().time() - since)
-        await self._forward(request, decision, span)
+        try:
+            await self._forward(request, decision, span)
+        except MeshError as exc:
+            await self.endpoint.refuse(request.reply, request.codec, rid, exc)
 
     async def _held_keepalive_loop(self) -> None:
         while True:
@@ -254,4 +259,12 @@ class Router(Service):
             headers = {**(headers or {}), PREFILL_HEADER: decision.prefill.id}
         elif headers and PREFILL_HEADER in headers:
             headers = {k: v for k, v in headers.items() if k != PREFILL_HEADER}
+        try:
+            # The headers this router adds may tip a request that only just fitted over
+            # the server's limit, and the server would close this router's connection.
+            check_fits(self.nc.max_payload, msg.data, headers)
+        except PayloadTooLarge as exc:
+            error = MeshError(ErrorCode.INVALID_ARGUMENT, f"the request is too large: {exc}")
+            router_tracing.rejected(span, error.code, error.message)
+            raise error from None
         await self.nc.publish(worker.subject, msg.data, reply=msg.reply, headers=headers)
