@@ -149,7 +149,8 @@ def _stage_error(frame: frames.ErrFrame, worker: str) -> MeshError:
     """The error that ends a request whose prefill stage ended in `frame`: the stage's own
     (the prefill engine refused the request: so would any), naming the prefill worker."""
     error = frames.error_of(frame)
-    if "origin" in frame:  # the client's own finding: the worker went silent or away
+    if "origin" in frame and error.retryable:  # the client's own finding: the worker
+        # went silent or away (not a stage it refused to send, too large for the server)
         return _prefill_failed(worker, f"prefill worker {worker} failed: {error.message}")
     return MeshError(
         error.code,
