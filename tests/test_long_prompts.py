@@ -22,7 +22,8 @@ pytestmark = pytest.mark.inproc
 PROMPT_TOKENS = 262_144
 NEW_TOKENS = 4
 VOCAB = 150_000  # below the mock's default vocabulary: ids of 5-6 digits, as for a real model
-PROMPT = [random.Random(15).randrange(1, VOCAB) for _ in range(PROMPT_TOKENS)]
+_rng = random.Random(15)
+PROMPT = [_rng.randrange(1, VOCAB) for _ in range(PROMPT_TOKENS)]
 
 
 @pytest.fixture(scope="module")
