@@ -167,39 +167,49 @@ def mutated(
 
 
 @dataclass
+class Failure:
+    """One kind of failed check: what failed, the issue 15 items its inputs were built to
+    provoke (none: unknown), how often, and the first few inputs."""
+
+    what: str
+    items: frozenset[int]
+    count: int = 0
+    shown: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        kind = f"items {sorted(self.items)}" if self.items else "unknown"
+        return f"{kind}: {self.what}"
+
+
+@dataclass
 class Campaign:
     """One target's run: what was sent, what came back, what failed and why."""
 
     name: str
     examples: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
-    # failures by kind; a kind is "item N: ..." for a known issue 15 item, else unknown
-    failures: dict[str, list[str]] = field(default_factory=dict)
+    failures: dict[tuple[str, frozenset[int]], Failure] = field(default_factory=dict)
     seconds: float = 0.0
 
     def fail(self, hostile: Hostile, what: str, example: Any) -> None:
-        known = sorted(hostile.items)
-        kind = f"items {known}: {what}" if known else f"unknown: {what}"
-        shown = self.failures.setdefault(kind, [])
-        if len(shown) < SHOWN:
-            shown.append(repr(example)[:300])
-        self.outcomes["FAILED " + kind] += 1
+        items = frozenset(hostile.items)
+        failure = self.failures.setdefault((what, items), Failure(what, items))
+        failure.count += 1
+        if len(failure.shown) < SHOWN:
+            failure.shown.append(repr(example)[:300])
 
-    def known(self, item: int) -> dict[str, list[str]]:
-        return {
-            k: v
-            for k, v in self.failures.items()
-            if k.startswith("items") and item in json.loads(k[len("items ") : k.index("]") + 1])
-        }
+    def known(self, item: int) -> list[Failure]:
+        return [f for f in self.failures.values() if item in f.items]
 
-    def unknown(self) -> dict[str, list[str]]:
-        return {k: v for k, v in self.failures.items() if k.startswith("unknown")}
+    def unknown(self) -> list[Failure]:
+        return [f for f in self.failures.values() if not f.items]
 
     def report(self) -> str:
         lines = [f"fuzz {self.name}: {self.examples} examples in {self.seconds:.1f}s"]
         lines += [f"    {n:6d}  {what}" for what, n in sorted(self.outcomes.items())]
-        for kind, shown in self.failures.items():
-            lines += [f"  {kind}", *(f"      e.g. {s}" for s in shown)]
+        for failure in self.failures.values():
+            lines.append(f"    {failure.count:6d}  FAILED {failure}")
+            lines += [f"              e.g. {s}" for s in failure.shown]
         return "\n".join(lines)
 
 

@@ -50,6 +50,9 @@ def values(depth: int = 2) -> st.SearchStrategy[Any]:
     )
 
 
+VALUES = values()
+
+
 @dataclass
 class Message:
     """One message to publish: its payload as a value (encoded by `codec`) or raw bytes."""
@@ -84,7 +87,7 @@ def messages(
         if shape == 0:
             return Message(hostile, None, draw_(st.binary(max_size=200)), codec)
         if shape == 1:
-            return Message(hostile, draw_(values()), None, codec)
+            return Message(hostile, draw_(VALUES), None, codec)
         value = draw_(valid)
         for _ in range(draw_(st.integers(0, 3))):
             where = draw_(st.sampled_from(sorted(fields)))
@@ -95,7 +98,7 @@ def messages(
             if draw_(st.integers(0, 4)) == 0:
                 target.pop(key, None)
             else:
-                target[key] = draw_(values())
+                target[key] = draw_(VALUES)
         return Message(hostile, value, None, codec)
 
     return draw()
@@ -261,24 +264,13 @@ def discovery_messages(
         ]
     }
 
-    @st.composite
-    def draw(draw_: st.DrawFn) -> tuple[str, Message]:
-        kind = draw_(st.sampled_from(["announce", "announce", "leave", "router", "query"]))
-        subject = {
-            "announce": subjects.announce,
-            "leave": subjects.leave,
-            "router": subjects.router_presence,
-            "query": subjects.query,
-        }[kind]
-        valid = {"announce": card, "leave": leave, "router": presence, "query": st.just({})}
-        message = draw_(
-            messages(
-                valid[kind],
-                card_fields
-                if kind == "announce"
-                else {"": ["id", "heartbeat_s", "leaving", "policy", "draining"]},
-            )
-        )
-        return subject, message
-
-    return draw()
+    others = {"": ["id", "heartbeat_s", "leaving", "policy", "draining"]}
+    by_subject = {
+        subjects.announce: messages(card, card_fields),
+        subjects.leave: messages(leave, others),
+        subjects.router_presence: messages(presence, others),
+        subjects.query: messages(st.builds(dict), others),
+    }
+    return st.one_of(
+        *(strategy.map(lambda m, s=subject: (s, m)) for subject, strategy in by_subject.items())
+    )

@@ -46,9 +46,11 @@ SHARES = {
     "vllm (processes)": 0.06,
 }
 
-# ERROR records of known issue 15 items: a traceback of Python's int-digit limit or of a
-# string that cannot be encoded (item 5), a client's disconnect (item 6).
+# ERROR records of known issue 15 items: a client id with CR/LF echoed into a header
+# (item 4), a traceback of Python's int-digit limit or of a string that cannot be encoded
+# (item 5), a client's disconnect (item 6).
 LOGGED_ITEMS = {
+    4: re.compile(r"Forbidden control character detected in headers"),
     5: re.compile(r"Exceeds the limit \(\d+ digits\)|surrogates not allowed|UnicodeEncodeError"),
     6: re.compile(r"ClientConnectionResetError|ConnectionResetError|closing transport"),
 }
