@@ -5,14 +5,16 @@ context is set to hold it (`--mock-max-model-len`)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 
+import nats
 import pytest
 
 from genmesh.codecs.builtin import MsgpackCodec
 from genmesh.shared.envelope import Envelope
-from genmesh.shared.natsserver import DEFAULT_MAX_PAYLOAD
+from genmesh.shared.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer
 from tests.conftest import unique_namespace
 from tests.http_util import post
 from tests.inproc import InProcessMesh, start_inproc_mesh
@@ -34,6 +36,19 @@ def long_mesh(nats_url: str) -> Iterator[InProcessMesh]:
     )
     yield mesh
     mesh.stop()
+
+
+@pytest.mark.parametrize("max_payload", [None, 2 * 1024 * 1024])
+async def test_the_embedded_server_takes_its_max_payload(max_payload: int | None) -> None:
+    """What a client learns on connecting (INFO): 8 MiB by default, else as configured."""
+    server = NatsServer() if max_payload is None else NatsServer(max_payload=max_payload)
+    url = await asyncio.to_thread(server.start)
+    try:
+        nc = await nats.connect(url)
+        assert nc.max_payload == (max_payload or DEFAULT_MAX_PAYLOAD)
+        await nc.close()
+    finally:
+        await asyncio.to_thread(server.stop)
 
 
 def test_the_envelope_needs_more_than_nats_default_payload() -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from genmesh.shared.settings import option
+from genmesh.shared.settings import option, positive_int
 
 _LISTENING = re.compile(r"Listening for client connections on (\S+):(\d+)")
 _READY = "Server is ready"
@@ -41,6 +41,7 @@ class NatsServerConfig:
     max_payload: int = option(
         DEFAULT_MAX_PAYLOAD,
         flag="--nats-max-payload",
+        parse=positive_int,
         help="largest message in bytes (nats-server's max_payload; envelopes carry prompts)",
     )
 
