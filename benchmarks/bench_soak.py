@@ -88,6 +88,16 @@ class SoakReport:
         after = [s for s in series if s.t >= warm] or series
         return after[0], max(after, key=lambda s: s.rss_mb), after[-1]
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "outcomes": dict(self.outcomes),  # asdict would rebuild a Counter from pairs
+            "lost": self.lost,
+            "events": self.events,
+            "survivors": self.survivors,
+            "samples": {n: [asdict(s) for s in series] for n, series in self.samples.items()},
+        }
+
     def table(self) -> str:
         o = self.outcomes
         lines = [
@@ -339,7 +349,7 @@ def main() -> int:
         report = asyncio.run(run_soak(config, Path(workdir)))
     print(report.table())
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=1, default=str))
+        args.json.write_text(json.dumps(report.to_json(), indent=1))
     return 1 if report.lost else 0
 
 
