@@ -119,7 +119,7 @@ def cmd_nats(config: NatsServerConfig) -> int:
 async def _nats(config: NatsServerConfig) -> int:
     from genmesh.shared.lifecycle import stop_signals
 
-    server = NatsServer(host=config.host, port=config.port)
+    server = NatsServer(host=config.host, port=config.port, max_payload=config.max_payload)
     async with stop_signals() as stop:
         try:
             url = await asyncio.to_thread(server.start)

@@ -16,10 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from genmesh.shared.settings import option
+from genmesh.shared.settings import option, positive_int
 
 _LISTENING = re.compile(r"Listening for client connections on (\S+):(\d+)")
 _READY = "Server is ready"
+
+# The largest message the embedded server takes, as deploy/nats/mesh.conf sets it: an
+# envelope holds a prompt at 4 bytes a token, so nats-server's own default (1 MiB) would
+# refuse a 262,144-token prompt. 8 MiB holds ~2M tokens, beyond any context length the
+# engines serve, and stays at nats-server's recommended ceiling (it warns above 8 MB).
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 class NatsServerError(RuntimeError):
@@ -32,6 +38,12 @@ class NatsServerConfig:
 
     host: str = option("127.0.0.1", help="listen address")
     port: int = option(4222, flag="--nats-port", help="client port (-1 = any free port)")
+    max_payload: int = option(
+        DEFAULT_MAX_PAYLOAD,
+        flag="--nats-max-payload",
+        parse=positive_int,
+        help="largest message in bytes (nats-server's max_payload; envelopes carry prompts)",
+    )
 
 
 def find_nats_server() -> str:
@@ -58,6 +70,7 @@ class NatsServer:
         config_file: str | None = None,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
     ) -> None:
         self.host = host
         self.port = port
@@ -65,6 +78,7 @@ class NatsServer:
         self.config_file = config_file
         self.extra_args = extra_args or []
         self.env = env  # the server's environment (a config's $VARIABLES); None = ours
+        self.max_payload = max_payload  # a config file's own setting wins
         # How the process is started: a supervisor passes its own (genmesh.supervisor).
         self.spawn: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
         self.process: subprocess.Popen[bytes] | None = None
@@ -76,8 +90,8 @@ class NatsServer:
         args = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-l", str(self.log_path)]
         if self.jetstream:
             args += ["-js", "-sd", str(Path(self._dir.name) / "jetstream")]
-        if self.config_file:
-            args += ["-c", self.config_file]
+        # nats-server takes max_payload from a config file only (it has no flag for it).
+        args += ["-c", self.config_file or self._payload_config()]
         args += self.extra_args
         self.process = self.spawn(
             args,
@@ -108,6 +122,11 @@ class NatsServer:
             time.sleep(0.02)
         self.stop()
         raise NatsServerError(f"nats-server did not become ready within {timeout_s:g}s")
+
+    def _payload_config(self) -> str:
+        path = Path(self._dir.name) / "max-payload.conf"
+        path.write_text(f"max_payload: {self.max_payload}\n")
+        return str(path)
 
     @property
     def pid(self) -> int | None:
