@@ -4,8 +4,8 @@ envelopes to the router and to a worker, cancel, ping, discovery), about a minut
 (tests/fuzz_http.py, tests/fuzz_nats.py); after each campaign the mesh must be whole:
 every service running, no ERROR log line, in-flight gauges back to zero, and still
 serving. Failures an input was built to provoke are filed under their issue 15 item and
-asserted by that item's xfail test (other branches are fixing them); any other fails its
-campaign's test. `pytest -s` prints the counts per target."""
+asserted absent by that item's test; any other fails its campaign's test. `pytest -s`
+prints the counts per target."""
 
 from __future__ import annotations
 
@@ -346,8 +346,8 @@ def test_fuzz_discovery(discovery_mesh: InProcessMesh, discovery_fuzz: Result) -
 
 # ---------------------------------------------------------------- issue 15's known items
 
-# Each item's failures as the campaigns met them. xfail until its branch lands; then the
-# test passes (strict=False keeps the suite green either way; drop the mark once it does).
+# The items the campaigns can meet, each with what its failures look like (they met items
+# 4, 5, 6 before those were fixed; see the commit that added this file).
 KNOWN = {
     4: "client ids echoed unchecked into headers",
     5: "500 for a lone surrogate, a huge X-data-parallel-rank or int past the digit limit",
@@ -356,13 +356,7 @@ KNOWN = {
 }
 
 
-@pytest.mark.parametrize(
-    "item",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=f"issue 15 item {n}: {why}", strict=False))
-        for n, why in KNOWN.items()
-    ],
-)
+@pytest.mark.parametrize("item", list(KNOWN), ids=[f"item{n}" for n in KNOWN])
 def test_fuzz_meets_no_known_failure(
     item: int,
     sglang_http: Result,
