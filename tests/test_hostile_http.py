@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import nats
 import pytest
 
 from tests.conftest import unique_namespace
@@ -23,9 +24,9 @@ from tests.inproc import InProcessMesh, worker_requests
 pytestmark = pytest.mark.inproc
 
 SGLANG, VLLM = "/generate", "/inference/v1/generate"
-# Long enough a context for a prompt past NATS's default max_payload (1 MiB): 300,000
-# tokens pack to 1.2 MB of int32.
-CONTEXT = 1_000_000
+# Long enough a context for a prompt past the tests' nats-server's max_payload (8 MiB:
+# 2 Mi tokens packed), so that a prompt outgrows the server's limit, not the model's.
+CONTEXT = 4_000_000
 IDLE_TIMEOUT_S, BODY_TIMEOUT_S = 0.5, 0.5
 
 
@@ -78,14 +79,18 @@ async def raw_exchange(url: str, data: bytes, timeout: float = 10.0) -> bytes:
 async def test_an_envelope_past_the_max_payload_is_refused_at_once(
     edge: InProcessMesh, path: str
 ) -> None:
-    body = body_of(path, [1 + i % 900 for i in range(300_000)])
+    nc = await nats.connect(edge.nats_url)
+    max_payload = nc.max_payload
+    await nc.close()
+    # Packed, a token is 4 bytes of the envelope: a quarter of the limit, and some.
+    body = body_of(path, [1 + i % 900 for i in range(max_payload // 4 + 1000)])
     async with worker_requests(edge.nats_url, edge.namespace) as seen:
         reply = await post(edge.http_url + path, body, headers={"Content-Type": "application/json"})
     assert reply.status == 400
     assert "Retry-After" not in reply.headers
     message = reply.body["error"]["message"]
     assert message.startswith("the request is too large: a message of ")
-    assert message.endswith(" bytes exceeds the server's max_payload of 1048576")
+    assert message.endswith(f" bytes exceeds the server's max_payload of {max_payload}")
     assert reply.body == error_of(path, message)
     assert seen == []  # never published, so never re-published either
 
