@@ -126,6 +126,9 @@ class Worker(Service):
         self.admin = AdminHandlers(self)
         # Relays the engine's KV cache events, if it publishes any (from start()).
         self.kv_relay: KvRelay | None = None
+        # The engine's P/D side, when the role asks for one (start() refuses a role the
+        # engine cannot play).
+        self.pd = disaggregating(engine) if config.role != ROLE_BOTH else None
         # A decode worker's: has the prefill stages of its requests run (from start()).
         self.pd_decoder: PdDecoder | None = None
 
@@ -154,7 +157,7 @@ class Worker(Service):
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        pd = disaggregating(self.engine)
+        pd = self.pd
         if self.config.role != ROLE_BOTH and pd is None:
             raise ValueError(
                 f"the {self.engine.name} engine cannot take part in prefill/decode "
@@ -169,7 +172,7 @@ class Worker(Service):
                     "worker %s: waiting for its %s engine", self.worker_id, self.engine.name
                 )
             stack.push_async_callback(self._tasks.close)
-            if pd is not None and self.config.role != ROLE_BOTH:
+            if pd is not None:
                 await pd.pd_attach(self.nc, self.subjects, self.worker_id)
             if pd is not None and self.config.role == ROLE_DECODE:
                 self.pd_decoder = PdDecoder(self.nc, self.subjects, pd)
@@ -266,9 +269,8 @@ class Worker(Service):
         if self.kv_relay is not None:
             card[KV_EVENTS_CARD_KEY] = True
         card["role"] = self.config.role
-        pd = disaggregating(self.engine)
-        if pd is not None and self.config.role != ROLE_BOTH:
-            card["disagg"] = {"kind": pd.pd_kind, **pd.pd_card()}
+        if self.pd is not None:
+            card["disagg"] = {"kind": self.pd.pd_kind, **self.pd.pd_card()}
         return card
 
     async def _announce(self) -> None:
@@ -373,7 +375,7 @@ class Worker(Service):
                 f"it cannot pair with prefill worker {prefill_worker}",
             )
 
-    def _check_admission(self, envelope: Envelope, prefill_worker: str | None = None) -> None:
+    def _check_admission(self, envelope: Envelope, prefill_worker: str | None) -> None:
         """Raise the MeshError that refuses `envelope`, if anything does (protocol.md §6.7,
         rows 5-10)."""
         rid = envelope.id
@@ -526,9 +528,8 @@ class Worker(Service):
         here, prefill by its paired worker), or a whole request's."""
         envelope = active.envelope
         if envelope.disagg is not None:
-            pd = disaggregating(self.engine)
-            assert pd is not None  # a prefill worker's engine is one (start() checked)
-            return pd.prefill(envelope, envelope.disagg.ticket)
+            assert self.pd is not None  # only a prefill worker admits a stage
+            return self.pd.prefill(envelope, envelope.disagg.ticket)
         if active.prefill_worker is not None and self.pd_decoder is not None:
             return self.pd_decoder.generate(envelope, active.prefill_worker)
         return self.engine.generate(envelope)
