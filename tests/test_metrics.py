@@ -125,6 +125,28 @@ def test_a_unary_request_exactly(clock: Clock) -> None:
     assert value(metrics, "genmesh_frontend_disconnected_clients_total") == 0
 
 
+def test_cached_tokens_count_the_first_report_of_each_completed_generation(
+    clock: Clock,
+) -> None:
+    """The prefix cache's hits, as the engines report them (protocol.md §6.3): SGLang and
+    the mock on the first output frame, vLLM in the end frame's usage."""
+    metrics = FrontendMetrics()
+    request = info(clock)
+    obs = Observation([metrics], request)
+    request.items = items(48, 40, 40, 40)
+    obs.dispatched()
+    obs.frame(0, {**out(1), "cached_tokens": 32})
+    obs.frame(0, {**end(2), "cached_tokens": 48})  # not the first figure: ignored
+    obs.frame(1, {**end(3), "usage": {"prompt_tokens": 40, "cached_tokens": 16}})
+    obs.frame(2, {**out(4), "cached_tokens": 0})
+    obs.frame(2, end(5))
+    obs.frame(3, {**out(6), "cached_tokens": 40})
+    obs.frame(3, err(ErrorCode.UNAVAILABLE))  # did not complete: not counted
+    obs.finished(200, ErrorCode.UNAVAILABLE.value)
+    assert value(metrics, "genmesh_frontend_cached_tokens_total", **ROUTE) == 32 + 16
+    assert value(metrics, "genmesh_frontend_input_tokens_total", **ROUTE) == 168
+
+
 def test_a_refused_request_is_counted_but_not_timed(clock: Clock) -> None:
     metrics = FrontendMetrics()
     obs = Observation([metrics], info(clock, "vllm", "/inference/v1/generate"))

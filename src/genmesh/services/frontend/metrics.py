@@ -68,6 +68,7 @@ class _Route:
     """The label children of one (format, endpoint), resolved once and shared."""
 
     __slots__ = (
+        "cached_tokens_total",
         "duration",
         "inflight",
         "input_tokens",
@@ -87,6 +88,7 @@ class _Route:
         self.output_tokens = metrics.output_tokens.labels(fmt, endpoint)
         self.input_tokens_total = metrics.input_tokens_total.labels(fmt, endpoint)
         self.output_tokens_total = metrics.output_tokens_total.labels(fmt, endpoint)
+        self.cached_tokens_total = metrics.cached_tokens_total.labels(fmt, endpoint)
 
 
 class FrontendMetrics:
@@ -151,6 +153,14 @@ class FrontendMetrics:
         self.output_tokens_total = LoopCounter(
             PREFIX + "output_tokens",
             "Output tokens delivered to clients, counted as they arrive",
+            route,
+            r,
+        )
+        # With input_tokens_total, the prefix cache's hit ratio (docs/observability.md).
+        self.cached_tokens_total = LoopCounter(
+            PREFIX + "cached_tokens",
+            "Prompt tokens the engine found in its prefix cache, per generation that "
+            "completed (the first figure its engine reported)",
             route,
             r,
         )
@@ -254,6 +264,8 @@ class RequestMetrics:
             route.output_tokens_total.value += count
         if frame["t"] == frames.END:
             self._route.output_tokens.observe(summary.tokens)
+            if summary.cached_tokens:
+                self._route.cached_tokens_total.value += summary.cached_tokens
         elif frame["t"] == frames.ERR and frame["code"] == _CANCELLED:
             self._mesh_cancelled = True
 
