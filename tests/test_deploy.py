@@ -206,6 +206,7 @@ def test_the_compose_file_has_what_the_deployment_needs() -> None:
     assert by_profile["vllm"] == {"worker-vllm"}
     assert by_profile["cluster"] == {"nats-2", "nats-3"}
     assert by_profile["pd"] == {"worker-prefill", "worker-decode"}
+    assert by_profile["monitoring"] == {"nats-exporter", "prometheus", "grafana"}
     for name, role in (("worker-prefill", "prefill"), ("worker-decode", "decode")):
         env = services[name]["environment"]
         assert (env["GENMESH_ENGINE"], env["GENMESH_ROLE"]) == ("mock", role), name
