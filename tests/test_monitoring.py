@@ -529,12 +529,13 @@ def test_the_exporters_naming_rule() -> None:
 
 
 TOKENS = 4
-PROMPT = list(range(1, 65))  # four blocks of 16: the second time, cached
+PROMPT = list(range(1, 65))  # four blocks of 16: cached where it ran before
 
 
 async def traffic(mesh: InProcessMesh) -> None:
     """Requests that make every series appear: through the frontend (unary, SSE, vLLM,
-    one refused), one prompt twice (a prefix cache hit), one through the routers."""
+    one refused; one prompt three times, for a prefix cache hit), and one over NATS
+    through the router."""
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": TOKENS}}
     for _ in range(2):
         reply = await post(mesh.http_url + "/generate", body)
@@ -567,13 +568,10 @@ def total(text: str, name: str) -> float:
     )
 
 
-@pytest.mark.inproc
-async def test_every_metric_and_label_a_panel_queries_exists(
-    nats_url: str, nats_exporter_series: dict[str, set[str]]
-) -> None:
-    """A mesh as compose runs it (the frontend routes, two routers and two workers with
-    metrics ports), with the kv policy and the mocks' prefix caches on so that the KV
-    series exist; scraped over HTTP after some traffic."""
+def start_mesh(nats_url: str) -> tuple[InProcessMesh, list[str]]:
+    """A mesh like compose's (the frontend routes its own requests; a router and two
+    workers serve metrics ports), with the kv policy and the mocks' prefix caches on so
+    that the KV series exist too. Returns it and the URL of every /metrics."""
     mesh = InProcessMesh(nats_url, unique_namespace("monitoring"))
     ports = [free_port() for _ in range(3)]
     try:
@@ -585,11 +583,24 @@ async def test_every_metric_and_label_a_panel_queries_exists(
             for port in ports[1:]
         ]
         mesh.add_frontend("--router-policy", "kv")
-        await asyncio.to_thread(
-            mesh.wait_for_workers, lambda ids: set(workers) <= ids, what="the workers"
-        )
+        mesh.wait_for_workers(lambda ids: set(workers) <= ids, what="the workers")
+    except BaseException:
+        print(mesh.logs())
+        mesh.stop()
+        raise
+    urls = [mesh.http_url + "/metrics"] + [f"http://127.0.0.1:{p}/metrics" for p in ports]
+    return mesh, urls
+
+
+@pytest.mark.inproc
+async def test_every_metric_and_label_a_panel_queries_exists(
+    nats_url: str, nats_exporter_series: dict[str, set[str]]
+) -> None:
+    """Every /metrics of a real mesh, scraped over HTTP after some traffic, and the
+    exporter's series: each name a panel queries is among them, with each label it reads."""
+    mesh, urls = await asyncio.to_thread(start_mesh, nats_url)
+    try:
         await traffic(mesh)
-        urls = [mesh.http_url + "/metrics"] + [f"http://127.0.0.1:{p}/metrics" for p in ports]
         pages = [await scrape(url) for url in urls]
     except BaseException:
         print(mesh.logs())
