@@ -153,6 +153,14 @@ def test_the_compose_file_matches_the_compose_specification(tmp_path: Path) -> N
     bad = subprocess.run([*check, str(broken)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1
     assert "service_happy" in bad.stdout + bad.stderr
+    # So are the profiles' services: Grafana's wait for Prometheus, misspelt.
+    grafana_waits = "      prometheus:\n        condition: service_started\n"
+    text = COMPOSE.read_text()
+    assert text.count(grafana_waits) == 1
+    broken.write_text(text.replace(grafana_waits, grafana_waits.replace("started", "begun")))
+    bad = subprocess.run([*check, str(broken)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "service_begun" in bad.stdout + bad.stderr
 
 
 def _cli_commands() -> dict[str, set[str]]:
