@@ -7,7 +7,7 @@ and worker's tracing hooks for one 16-token request, and the export of their spa
 shared machine moves that by more than the tracing costs; this runs, in one process, only
 the calls the three services make into tracing for a request (the frontend's observer with
 17 frames, its dispatch's headers (or attempt span, in a tree that has one per attempt),
-the router's span, the worker's span with 17 frames), with the real SDK, batch span
+the router's span, the worker's span over 17 frames), with the real SDK, batch span
 processor and OTLP/HTTP exporter (`OTEL_*` as the services read them) sending to a
 receiver in another process. The figure is this process's CPU (all threads: the export
 thread too, after a flush) per request, median of the repeats. It imports whichever
@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> None:
     assert tracer is not None
     # The frontend of this tree: one span per attempt, or only failed ones.
     per_attempt = not hasattr(client_tracing, "failed_attempt_span")
+    # The worker of this tree: its span sees every frame, or only the first token and the end.
+    counted_by_worker = hasattr(tracing.FrameSpan, "first_token")
     worker = WorkerInfo("w-bench", "genmesh.bench.worker.w-bench.generate", {}, 0.0, 0, 1)
     subject_router = "genmesh.bench.router.generate"
     subject_worker = "genmesh.bench.worker.w-bench.generate"
@@ -105,8 +107,12 @@ def run(args: argparse.Namespace) -> None:
         with tracing.remote_parent(forwarded):
             span = worker_span(subject_worker, envelope, "w-bench", "mock", "d-1")
         assert span is not None
-        for frame in parsed:
-            span.frame(frame)
+        if counted_by_worker:  # the worker counts the tokens; its span sees no frame
+            span.first_token()
+            span.end(parsed[-1], tokens=16)
+        else:
+            for frame in parsed:
+                span.frame(frame)
         # Back at the frontend: the frames, then the request's end.
         for frame in parsed:
             if attempt is not None:

@@ -459,15 +459,29 @@ class FrameSpan:
         elif kind == frames.END or kind == frames.ERR:
             self.end()
 
-    def end(self, last: frames.Frame | None = None, error_type: str | None = None) -> None:
+    def first_token(self) -> None:
+        """The stream's first token, for a span whose owner counts its tokens itself
+        (and gives the count to `end`) instead of showing it each frame."""
+        if self.recording:
+            self.span.add_event(FIRST_TOKEN)
+
+    def end(
+        self,
+        last: frames.Frame | None = None,
+        error_type: str | None = None,
+        tokens: int | None = None,
+    ) -> None:
         """End the span: with the stream's terminal frame `last` if `frame` has not seen
-        it, or as failed with `error_type` when the stream had no terminal frame."""
+        it, or as failed with `error_type` when the stream had no terminal frame.
+        `tokens`: the stream's output tokens, if its owner counted them."""
         if self._ended:
             return
         self._ended = True
         summary = self.summary
         if last is not None and last["t"] in frames.TERMINAL:
             summary.add(last)
+        if tokens is not None:
+            summary.tokens = tokens
         span = self.span
         if self.recording:
             attributes: dict[str, Any] = {TOKENS_OUTPUT: summary.tokens}

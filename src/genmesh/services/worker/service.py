@@ -479,10 +479,11 @@ class Worker(Service):
                             # workers count queued requests (routing/busy.py).
                             self._load_changed.set()
                         if frame["t"] == frames.OUT or frame["t"] == frames.END:
+                            if not active.tokens and frame["tokens"] and active.span is not None:
+                                # The span sees no frame: it is ended with the count.
+                                active.span.first_token()
                             active.tokens += len(frame["tokens"])
                         await self._send(active, frame)
-                        if active.span is not None:
-                            active.span.frame(frame)
                 if active.last is not None and active.last["t"] == frames.ERR:
                     self.engine_errors[active.last["code"]] += 1
             except asyncio.CancelledError:
@@ -521,7 +522,7 @@ class Worker(Service):
         if active.envelope.disagg is not None:
             self.stage_stats[outcome] += 1
         if active.span is not None:
-            active.span.end(active.last)
+            active.span.end(active.last, tokens=active.tokens)
 
     def _generation(self, active: _Active) -> AsyncGenerator[EngineOutput, None]:
         """The outputs of `active`: a prefill stage's, a disaggregated request's (decode
