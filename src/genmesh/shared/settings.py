@@ -68,6 +68,7 @@ class Option:
 
     help: str
     flag: str | None = None  # None: from the field name (max_concurrency: --max-concurrency)
+    short: str | None = None  # a one-letter alias of the flag (`-n`), for commands typed often
     env: str | None = DERIVED  # None: no variable
     parse: Callable[[str], Any] | None = None  # None: from the field's type
     render: Callable[[Any], str] | None = None  # the way back to text; None: str / repr
@@ -92,6 +93,7 @@ def option(
     *,
     help: str,
     flag: str | None = None,
+    short: str | None = None,
     env: str | None = DERIVED,
     parse: Callable[[str], Any] | None = None,
     render: Callable[[Any], str] | None = None,
@@ -106,6 +108,7 @@ def option(
     declared = Option(
         help=help,
         flag=flag,
+        short=short,
         env=env,
         parse=parse,
         render=render,
@@ -466,6 +469,7 @@ class ConfigOptions:
             )
         else:
             target.add_argument(
+                *([declared.short] if declared.short else []),
                 spec.flag,
                 dest=spec.dest,
                 type=_argparse_type(spec.parse),
