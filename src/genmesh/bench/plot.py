@@ -152,8 +152,12 @@ def write(path: str, title: str, summary: Summary, records: list[Record], table:
     if path.endswith(".png"):
         fig.savefig(path, dpi=100)
         return
+    import matplotlib
+
     svg = io.StringIO()
-    fig.savefig(svg, format="svg")
+    # Text as text, not glyph outlines: a third of the size, and the page can be searched.
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        fig.savefig(svg, format="svg")
     inline = svg.getvalue()
     inline = inline[inline.index("<svg") :]  # no XML prologue inside HTML
     page = (

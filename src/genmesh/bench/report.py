@@ -89,7 +89,7 @@ def table(config: BenchConfig, url: str, summary: Summary) -> Table:
         + f"\nload generator CPU: {summary.client_cpu_ms_per_request:.3f} ms per request"
     )
     out = Table(
-        title=f"genmesh bench: {url} ({config.format}, {mode}, {loop})",
+        title=f"genmesh bench: {url}\n{config.format}, {mode}, {loop}",
         caption=caption,
         caption_justify="left",
     )

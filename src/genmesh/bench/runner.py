@@ -1,6 +1,8 @@
 """Sending the workload and timing each request, in one process on one event loop.
 
-One request is one `POST` on a shared keep-alive aiohttp session. Its clock starts just
+One request is one `POST` on a shared keep-alive aiohttp session. An SSE answer
+(`text/event-stream`) is read event by event, any other as one JSON body: a server that
+ignores `stream` (vLLM v0.11-v0.18 on this route) is measured as unary. Its clock starts just
 before the request is written and reads `time.perf_counter()` once per chunk of bytes
 received, so the events of one chunk share a time. TTFT is the first event that carries
 an output token (for a unary request: the whole answer, so TTFT = end to end);
@@ -74,7 +76,6 @@ class Target:
     def __init__(self, config: BenchConfig, api: Api, session: aiohttp.ClientSession) -> None:
         self.url = config.url if _has_path(config.url) else config.url.rstrip("/") + api.path
         self.api = api
-        self.stream = config.stream
         self.session = session
 
     async def send(self, request: Request, record: Record, start: float) -> Record:
@@ -85,7 +86,7 @@ class Target:
                 if r.status != 200:
                     await r.read()
                     record.error = f"http {r.status}"
-                elif self.stream:
+                elif r.content_type == "text/event-stream":
                     await self._read_stream(r, record, sent)
                 else:
                     body = await r.read()
