@@ -125,9 +125,7 @@ def _cdf_panel(ax: Axes, title: str, values: Sequence[float], dist: Distribution
 
 
 def figure(title: str, summary: Summary, records: list[Record]) -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    # A bare Figure, not pyplot: no backend or GUI toolkit is chosen, savefig draws files.
     from matplotlib.figure import Figure
 
     ok = [r for r in records if r.ok]
