@@ -100,8 +100,6 @@ class Target:
             record.error = "timeout"
         except aiohttp.ClientError as exc:
             record.error = type(exc).__name__
-        if record.ok and record.e2e is None:
-            record.e2e = time.perf_counter() - sent
         return record
 
     async def _read_stream(
@@ -198,6 +196,8 @@ async def open_loop(
         due = 0.0
         while not requests.all_sent:
             due += rng.expovariate(rate)
+            if requests.seconds is not None and due >= requests.seconds:
+                break  # the next arrival is after the end: do not wait for it
             delay = due - (time.perf_counter() - requests.start)
             if delay > 0:
                 await asyncio.sleep(delay)
