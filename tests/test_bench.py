@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from genmesh import cli
@@ -208,6 +209,39 @@ async def test_sglang_streams_count_tokens_in_both_modes(incremental: bool) -> N
         assert record.output_tokens == 32
         # A token per event (1 ms apart): every token after the first has its gap.
         assert len(record.itl) == 31
+
+
+@pytest.mark.unit
+async def test_engine_failures_are_counted_by_kind() -> None:
+    """The testkit's SGLang server fails the next requests as asked (testkit/common.py):
+    each failure is its own kind; a stream cut short with its `[DONE]` is a short output."""
+    faults = [
+        {"kind": "http_error", "status": 503},
+        {"kind": "drop", "after_tokens": 3},
+        {"kind": "no_terminal", "after_tokens": 3},
+        {"kind": "abort", "after_tokens": 3, "message": "stopped"},
+        {"kind": "done_early", "after_tokens": 3},
+    ]
+    async with serving(sglang_app(MockServerConfig())) as url:
+        async with aiohttp.ClientSession() as session:
+            for fault in faults:
+                async with session.post(url + "/testkit/faults", json=fault) as queued:
+                    assert queued.status == 200
+        argv = ["--url", url, "--stream", "-n", "7", "-c", "1"]
+        _, phase, summary = await bench(parse(BenchConfig, argv))
+    assert summary.errors == {
+        "http 503": 1,
+        "ClientPayloadError": 1,  # the connection dropped mid-stream
+        "incomplete": 1,
+        "abort": 1,
+    }
+    assert (summary.completed, summary.short, summary.output_tokens) == (3, 1, 3 + 32 + 32)
+    assert [r.error for r in phase.records][:4] == [
+        "http 503",
+        "ClientPayloadError",
+        "incomplete",
+        "abort",
+    ]
 
 
 @pytest.mark.unit
