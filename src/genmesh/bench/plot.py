@@ -1,11 +1,11 @@
 """`--plot FILE.png|FILE.html`: the latency CDFs (TTFT, inter-token, end to end) and
 throughput over time, in one figure.
 
-matplotlib draws both: PNG through its Agg backend, and the HTML page as the same figure in
-SVG inside a small page with the summary table, which opens anywhere and loads nothing.
-One library for both, and a light one: plotly's page carries its ~4.6 MB JavaScript
-bundle inline in every file (and the library itself is ~3x matplotlib's wheel), where an
-SVG figure is ~100-300 kB. matplotlib is the optional `bench` extra
+matplotlib draws both: PNG, and the HTML page as the same figure in SVG inside a small
+page with the summary table, which opens anywhere and loads nothing. One library for both,
+and the lighter file: a self-contained plotly page carries plotly.js inline (megabytes, in
+every file), where this page is ~90 kB, about the same whatever the run's size (each CDF is drawn
+through at most CDF_POINTS quantiles). matplotlib is the optional `bench` extra
 (`pip install 'genmesh[bench]'`); `require()` says so before a run starts.
 """
 
