@@ -21,6 +21,7 @@ process (`to_argv`, `to_env`). The rules, as `genmesh` has always had them:
   flips it when set to 1, true, yes or on;
 - a `tuple` option with `repeat=True` takes its flag once per value; its variable is
   comma-separated;
+- a `short` alias (`-n` for `--requests`) is taken as the flag, on the command line only;
 - a `secret` never shows its value in --help and never goes on a command line (`to_argv`
   refuses it; `to_env` is how it travels);
 - a field with a `default_factory` (a random id) is made anew by every parse that is not
