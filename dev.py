@@ -48,7 +48,8 @@ def ensure_venv() -> None:
     if STAMP.exists() and STAMP.read_text() == digest:
         return
     print("dev.py: installing genmesh and its test tools", file=sys.stderr)
-    packages = ["-e", f"{ROOT}[test,dev]"]
+    # `bench`: the plotting extra, so the plot tests run wherever the tests do.
+    packages = ["-e", f"{ROOT}[test,dev,bench]"]
     for codec in sorted(ROOT.glob("codecs/*/pyproject.toml")):
         packages += ["-e", str(codec.parent)]
     subprocess.run(

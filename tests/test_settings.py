@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from genmesh.bench.config import BenchConfig
 from genmesh.cli import parse_command
 from genmesh.commandline import COMMANDS, command_argv
 from genmesh.commands import RequestConfig
@@ -103,6 +104,26 @@ EXAMPLES: dict[str, Any] = {
         logprobs=True,
         worker="w-1",
         timeout_s=1.5,
+    ),
+    "bench": BenchConfig(
+        url="http://127.0.0.1:1/generate",
+        format="vllm",
+        model="m",
+        stream=True,
+        requests=5,
+        duration_s=2.5,
+        concurrency=3,
+        request_rate=9.5,
+        max_concurrency=4,
+        warmup=2,
+        input_len_range=0.25,
+        output_len=7,
+        seed=-1,
+        prefix_groups=2,
+        prefix_len=8,
+        json_out="r.json",
+        plot="r.html",
+        progress=False,
     ),
     "trace_check": TraceCheckConfig(files=("a.jsonl", "b.jsonl.gz"), expect=5, as_json=True),
     "trace_replay": TraceReplayConfig(

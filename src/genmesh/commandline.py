@@ -88,6 +88,23 @@ COMMANDS: dict[str, Command] = {
             ),
         },
     ),
+    "bench": Command(
+        "load-test a native generate endpoint: latency percentiles, throughput, plots",
+        "genmesh.bench.config:BenchConfig",
+        "Send generate requests to any server of the native token-in/token-out APIs "
+        "(genmesh, SGLang /generate, vLLM /inference/v1/generate, Dynamo) and measure "
+        "time to first token, inter-token latency, end to end, throughput and errors. "
+        "Closed loop (--concurrency) or open loop (--request-rate, Poisson), prompt and "
+        "output lengths fixed or sampled, shared-prefix groups, SSE (--stream) or unary. "
+        "Exits 0 when every measured request succeeded, 1 when some failed "
+        "(docs/bench.md).",
+        epilog="examples:\n"
+        "  genmesh bench --url http://127.0.0.1:8000 --stream -n 2000 -c 32\n"
+        "  genmesh bench --url http://127.0.0.1:8000 --format vllm --request-rate 50 "
+        "--duration 60\n"
+        "  genmesh bench --url http://gpu1:30000 --input-len 1024 --input-len-range 0.5 "
+        "--prefix-groups 8 --prefix-len 512 --stream --json-out run.json --plot run.html",
+    ),
     "request": Command(
         "send one request over NATS and print the reply frames as JSON lines",
         "genmesh.commands:RequestConfig",

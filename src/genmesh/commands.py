@@ -27,6 +27,7 @@ from genmesh.shared.settings import (
 )
 
 if TYPE_CHECKING:
+    from genmesh.bench.config import BenchConfig
     from genmesh.client import MeshClient
     from genmesh.records.config import TraceCheckConfig, TraceReplayConfig
     from genmesh.services.frontend.config import FrontendConfig
@@ -153,6 +154,17 @@ async def _testkit(config: TestkitConfig) -> None:
     async with stop_signals() as stop, serving(app, config.host, config.port) as url:
         print(f"mock {config.engine} server listening on {url}", flush=True)
         await stop.wait()
+
+
+def cmd_bench(config: BenchConfig) -> int:
+    from genmesh.bench.main import main_bench
+
+    try:  # the rules between options, before anything is sent
+        config.check()
+    except ValueError as exc:
+        print(f"genmesh bench: error: {exc} (see genmesh bench --help)", file=sys.stderr)
+        return 2
+    return main_bench(config)
 
 
 def cmd_up(config: UpConfig) -> int:

@@ -21,6 +21,7 @@ process (`to_argv`, `to_env`). The rules, as `genmesh` has always had them:
   flips it when set to 1, true, yes or on;
 - a `tuple` option with `repeat=True` takes its flag once per value; its variable is
   comma-separated;
+- a `short` alias (`-n` for `--requests`) is taken as the flag, on the command line only;
 - a `secret` never shows its value in --help and never goes on a command line (`to_argv`
   refuses it; `to_env` is how it travels);
 - a field with a `default_factory` (a random id) is made anew by every parse that is not
@@ -68,6 +69,7 @@ class Option:
 
     help: str
     flag: str | None = None  # None: from the field name (max_concurrency: --max-concurrency)
+    short: str | None = None  # a one-letter alias of the flag (`-n`), for commands typed often
     env: str | None = DERIVED  # None: no variable
     parse: Callable[[str], Any] | None = None  # None: from the field's type
     render: Callable[[Any], str] | None = None  # the way back to text; None: str / repr
@@ -92,6 +94,7 @@ def option(
     *,
     help: str,
     flag: str | None = None,
+    short: str | None = None,
     env: str | None = DERIVED,
     parse: Callable[[str], Any] | None = None,
     render: Callable[[Any], str] | None = None,
@@ -106,6 +109,7 @@ def option(
     declared = Option(
         help=help,
         flag=flag,
+        short=short,
         env=env,
         parse=parse,
         render=render,
@@ -466,6 +470,7 @@ class ConfigOptions:
             )
         else:
             target.add_argument(
+                *([declared.short] if declared.short else []),
                 spec.flag,
                 dest=spec.dest,
                 type=_argparse_type(spec.parse),
