@@ -26,6 +26,7 @@ from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared.subjects import Subjects
+from tests.http_util import post
 from tests.inproc import InProcessMesh
 
 pytestmark = pytest.mark.inproc
@@ -97,6 +98,7 @@ async def test_every_process_answers_ping_as_the_cli_parses_it(
             w.name for w in mesh.workers
         )
         assert len(by_role(pings, "router")) == 1
+        assert len(by_role(pings, "frontend")) == 1
     # One instance by its id.
     worker = workers[0]
     (alone,) = await gather(
@@ -225,3 +227,37 @@ async def test_the_small_endpoints_count_their_messages(nc: Client, mesh: InProc
         cancels = endpoint(stats, "cancel")["num_requests"]
         assert cancels == endpoint(before[worker], "cancel")["num_requests"] + 1
         assert endpoint(stats, "cancel")["num_errors"] == 0
+
+
+async def test_the_frontend_reports_its_http_requests(nc: Client, mesh: InProcessMesh) -> None:
+    """The frontend's one endpoint, `http`, counts its generate requests: n served, one
+    refused (a 400) an error."""
+    ns = mesh.namespace
+
+    async def frontend() -> dict[str, Any]:
+        answers = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+        (found,) = by_role(answers, "frontend")
+        return endpoint(found, "http")
+
+    (info,) = by_role(await gather(nc, "$SRV.INFO.genmesh", kind="info", namespace=ns), "frontend")
+    assert info["metadata"] == {"namespace": ns, "role": "frontend", "http": mesh.http_url}
+    assert info["endpoints"] == [
+        {"name": "http", "subject": mesh.http_url, "queue_group": "", "metadata": {}}
+    ]
+    before = await frontend()
+    n = 3
+    for i in range(n):
+        body = {"input_ids": [1, 2, i], "sampling_params": {"max_new_tokens": 2}}
+        assert (await post(mesh.http_url + "/generate", body)).status == 200
+    served = await frontend()
+    assert served["num_requests"] == before["num_requests"] + n
+    assert served["num_errors"] == before["num_errors"]
+    assert served["processing_time"] > before["processing_time"]
+    assert served["data"] == {"inflight": 0}
+
+    refused = await post(mesh.http_url + "/generate", {"input_ids": "not tokens"})
+    assert refused.status == 400
+    after = await frontend()
+    assert after["num_requests"] == served["num_requests"] + 1
+    assert after["num_errors"] == served["num_errors"] + 1
+    assert after["last_error"] == "400 invalid_argument", after["last_error"]

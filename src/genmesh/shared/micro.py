@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -46,6 +46,17 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "genmesh"
 
 Callback = Callable[[Msg], Awaitable[None]]
+
+
+class Reported(Protocol):
+    """An endpoint as `$SRV.INFO` and `$SRV.STATS` report it."""
+
+    def info(self) -> EndpointInfo: ...
+
+    def stats(self) -> EndpointStats: ...
+
+
+E = TypeVar("E", bound=Reported)
 
 
 class MicroEndpoint:
@@ -147,11 +158,11 @@ class MicroService(Service):
         self.id = NUID().next().decode()
         self.description = description
         self.metadata = {"namespace": namespace, "role": role, **(metadata or {})}
-        self.endpoints: list[MicroEndpoint] = []
+        self.endpoints: list[Reported] = []
         self.started = datetime.now(UTC)
         self._subs: list[Subscription] = []
 
-    def add(self, endpoint: MicroEndpoint) -> MicroEndpoint:
+    def add(self, endpoint: E) -> E:
         """List `endpoint` (from the next `$SRV` request on)."""
         self.endpoints.append(endpoint)
         return endpoint
