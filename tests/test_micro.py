@@ -27,7 +27,8 @@ from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared.subjects import Subjects
 from tests.http_util import post
-from tests.inproc import InProcessMesh
+from tests.conftest import unique_namespace
+from tests.inproc import InProcessMesh, start_inproc_mesh
 
 pytestmark = pytest.mark.inproc
 
@@ -261,3 +262,43 @@ async def test_the_frontend_reports_its_http_requests(nc: Client, mesh: InProces
     assert after["num_requests"] == served["num_requests"] + 1
     assert after["num_errors"] == served["num_errors"] + 1
     assert after["last_error"] == "400 invalid_argument", after["last_error"]
+
+
+async def test_a_prefill_decode_pair_lists_its_kv_endpoints(nc: Client, nats_url: str) -> None:
+    """Workers with a prefix cache serve `kv_snapshot`; a mock prefill worker serves
+    `kv_pull`, which a disaggregated request calls once."""
+    ns = unique_namespace("micro-pd")
+    kv = ("--mock-kv-blocks", "64")
+    mesh = start_inproc_mesh(
+        nats_url,
+        namespace=ns,
+        routers=0,
+        worker_args=[("--role", "prefill", *kv), ("--role", "decode", *kv)],
+    )
+    try:
+        subjects = Subjects(ns)
+        infos = by_role(await gather(nc, "$SRV.INFO", kind="info", namespace=ns), "worker")
+        roles = {i["metadata"]["worker_role"]: i for i in infos}
+        assert set(roles) == {"prefill", "decode"}
+        for role, info in roles.items():
+            wid = info["metadata"]["worker_id"]
+            names = {e["name"]: e["subject"] for e in info["endpoints"]}
+            assert names["kv_snapshot"] == subjects.worker_kv_snapshot(wid)
+            # Both mocks serve their KV handles (a decode worker's are never asked for).
+            assert names["kv_pull"] == subjects.worker_kv_pull(wid)
+
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        assert (await post(mesh.http_url + "/generate", body)).status == 200
+        stats = by_role(await gather(nc, "$SRV.STATS", kind="stats", namespace=ns), "worker")
+        counts = {
+            s["metadata"]["worker_role"]: {
+                e["name"]: (e["num_requests"], e["num_errors"]) for e in s["endpoints"]
+            }
+            for s in stats
+        }
+        assert counts["prefill"]["generate"] == (1, 0)  # the request's prefill stage
+        assert counts["prefill"]["kv_pull"] == (1, 0)
+        assert counts["decode"]["generate"] == (1, 0)
+        assert counts["decode"]["kv_pull"] == (0, 0)
+    finally:
+        mesh.stop()
