@@ -26,8 +26,8 @@ from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared.subjects import Subjects
-from tests.http_util import post
 from tests.conftest import unique_namespace
+from tests.http_util import post
 from tests.inproc import InProcessMesh, start_inproc_mesh
 
 pytestmark = pytest.mark.inproc
@@ -280,7 +280,7 @@ async def test_a_prefill_decode_pair_lists_its_kv_endpoints(nc: Client, nats_url
         infos = by_role(await gather(nc, "$SRV.INFO", kind="info", namespace=ns), "worker")
         roles = {i["metadata"]["worker_role"]: i for i in infos}
         assert set(roles) == {"prefill", "decode"}
-        for role, info in roles.items():
+        for info in roles.values():
             wid = info["metadata"]["worker_id"]
             names = {e["name"]: e["subject"] for e in info["endpoints"]}
             assert names["kv_snapshot"] == subjects.worker_kv_snapshot(wid)
