@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 # apart (a namespace too: `namespace`).
 SERVICE_NAME = "genmesh"
 
+# A `last_error` keeps at most this many characters (docs/limits.md): error messages may
+# quote what a client sent, and a STATS answer must stay small.
+MAX_LAST_ERROR = 256
+
 Callback = Callable[[Msg], Awaitable[None]]
 
 
@@ -103,7 +107,7 @@ class MicroEndpoint:
 
     def failed(self, error: str) -> None:
         self.num_errors += 1
-        self.last_error = error
+        self.last_error = error[:MAX_LAST_ERROR]
 
     def counted(self, callback: Callback) -> Callback:
         """`callback`, counted here: every message a request, a raise an error."""
