@@ -26,6 +26,7 @@ from tests.conftest import unique_namespace
 from tests.http_util import post
 from tests.inproc import InProcessMesh, start_inproc_mesh
 from tests.srv import QUIET_S, by_role, endpoint, gather
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.inproc
 
@@ -253,3 +254,29 @@ async def test_a_prefill_decode_pair_lists_its_kv_endpoints(nc: Client, nats_url
         assert counts["decode"]["kv_pull"] == (0, 0)
     finally:
         mesh.stop()
+
+
+async def test_srv_answers_again_after_a_reconnect(
+    nc: Client, nats_url: str, empty_mesh: InProcessMesh
+) -> None:
+    """A worker whose NATS connection is cut answers `$SRV` again once it is back: the
+    same instance, its counts kept."""
+    proxy = TcpProxy(int(nats_url.rsplit(":", 1)[1])).start()
+    try:
+        empty_mesh.add_worker("w1", wait=False, extra_args=("--nats-url", proxy.url))
+        ns = empty_mesh.namespace
+        await nc.request(Subjects(ns).worker_ping("w1"), b"", timeout=5)  # subscribed by now
+        (before,) = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+        assert endpoint(before, "ping")["num_requests"] == 1
+        proxy.cut()
+        assert await gather(nc, "$SRV.PING", kind="ping", namespace=ns) == []
+        proxy.restore()
+        for _ in range(50):
+            back = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+            if back:
+                break
+        (after,) = back
+        assert after["id"] == before["id"]
+        assert endpoint(after, "ping")["num_requests"] == 1
+    finally:
+        proxy.close()
