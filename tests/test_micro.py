@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -21,6 +22,7 @@ from genmesh import __version__
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
+from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post
@@ -280,3 +282,34 @@ async def test_srv_answers_again_after_a_reconnect(
         assert endpoint(after, "ping")["num_requests"] == 1
     finally:
         proxy.close()
+
+
+async def test_a_user_that_may_not_answer_srv_still_serves(tmp_path: Path) -> None:
+    """Permissions written before `$SRV` (no `$SRV` subscriptions): the worker starts and
+    serves as it did, unlisted, and says why in its log."""
+    conf = tmp_path / "legacy.conf"
+    conf.write_text(
+        "authorization { users = [\n"
+        '  {user: legacy, password: pw, permissions: {subscribe: {deny: ["$SRV.>"]}}}\n'
+        "] }\n"
+    )
+    server = NatsServer(config_file=str(conf))
+    server.start()
+    mesh = InProcessMesh(server.url, unique_namespace("legacy"))
+    try:
+        worker = mesh.add_worker(
+            "w1", wait=False, extra_args=("--nats-user", "legacy", "--nats-password", "pw")
+        )
+        nc = await nats.connect(server.url, user="legacy", password="pw")
+        try:
+            alive = await nc.request(Subjects(mesh.namespace).worker_ping("w1"), b"", timeout=5)
+            assert alive.data == b""
+            assert await gather(nc, "$SRV.PING", kind="ping", namespace=mesh.namespace) == []
+        finally:
+            await nc.close()
+        assert "not answering $SRV (NATS micro): the NATS server refused a subscription to" in (
+            worker.log()
+        )
+    finally:
+        mesh.stop()
+        server.stop()

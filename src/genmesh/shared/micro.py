@@ -36,7 +36,7 @@ from nats.micro.service import (
 from nats.nuid import NUID
 
 from genmesh import __version__
-from genmesh.shared.bus import check_subscriptions, unsubscribe_quietly
+from genmesh.shared.bus import NatsPermissionDenied, check_subscriptions, unsubscribe_quietly
 from genmesh.shared.lifecycle import Service
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,8 @@ class MicroService(Service):
         return endpoint
 
     async def start(self) -> None:
+        """Subscribe to the control subjects. A NATS user that may not (permissions from
+        before `$SRV`) leaves the process serving as it did, unlisted: a warning says so."""
         answers = {
             ServiceVerb.PING: self._answer(self.ping),
             ServiceVerb.INFO: self._answer(self.info),
@@ -183,6 +185,9 @@ class MicroService(Service):
                     subject = control_subject(verb, name=name, id=sid)
                     self._subs.append(await self.nc.subscribe(subject, cb=answer))
             await check_subscriptions(self.nc, *self._subs)
+        except NatsPermissionDenied as exc:
+            log.warning("not answering $SRV (NATS micro): %s", exc)
+            await self.stop()
         except BaseException:
             await self.stop()
             raise
