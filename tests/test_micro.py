@@ -67,6 +67,7 @@ async def test_info_lists_each_process_its_endpoints_and_metadata(
 ) -> None:
     infos = await gather(nc, "$SRV.INFO.genmesh", kind="info", namespace=mesh.namespace)
     subjects = Subjects(mesh.namespace)
+    assert len(by_role(infos, "worker")) == len(mesh.workers) == 2
     for info in by_role(infos, "worker"):
         wid = info["metadata"]["worker_id"]
         assert info["metadata"] == {
