@@ -314,3 +314,46 @@ async def test_a_user_that_may_not_answer_srv_still_serves(tmp_path: Path) -> No
     finally:
         mesh.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_a_worker_in_front_of_an_engine_names_it_and_its_model(
+    nc: Client, empty_mesh: InProcessMesh, engine: str
+) -> None:
+    """The metadata of a worker in front of an SGLang or vLLM server (the testkit's): its
+    engine, and the model the server says it serves."""
+    _, url = empty_mesh.spawn_engine_server(engine, "--model", f"{engine}-model")
+    empty_mesh.add_worker("w1", wait=False, engine=engine, engine_url=url)
+    (info,) = await gather(nc, "$SRV.INFO", kind="info", namespace=empty_mesh.namespace)
+    assert info["description"] == f"genmesh worker w1 ({engine} engine)"
+    assert {k: info["metadata"][k] for k in ("engine", "model", "format")} == {
+        "engine": engine,
+        "model": f"{engine}-model",
+        "format": "*",
+    }
+
+
+async def test_a_workers_model_is_filled_in_when_its_engine_comes_up(
+    nc: Client, empty_mesh: InProcessMesh
+) -> None:
+    """A worker whose engine is down at start does not know its model yet (`unknown`); its
+    `$SRV` metadata names the model once the engine answers."""
+    _, url = empty_mesh.spawn_engine_server("sglang", "--model", "late-model")
+    proxy = TcpProxy(int(url.rsplit(":", 1)[1])).start()
+    try:
+        proxy.cut()
+        empty_mesh.add_worker(
+            "w1", wait=False, engine="sglang", engine_url=f"http://127.0.0.1:{proxy.port}"
+        )
+        ns = empty_mesh.namespace
+        (info,) = await gather(nc, "$SRV.INFO", kind="info", namespace=ns)
+        assert info["metadata"]["model"] == "unknown"
+        proxy.restore()
+        for _ in range(40):
+            (info,) = await gather(nc, "$SRV.INFO", kind="info", namespace=ns)
+            if info["metadata"]["model"] != "unknown":
+                break
+            await asyncio.sleep(0.25)
+        assert info["metadata"]["model"] == "late-model"
+    finally:
+        proxy.close()
