@@ -4,7 +4,9 @@ In the spirit of nats-py's `nats.micro` endpoint wrapper, it owns everything bet
 message and the service's decision: the codec named by the `genmesh-codec` header, the
 decode, the envelope's version and fields (`Envelope.from_wire`), and the answer to a
 request that cannot be served: one `err` frame with `seq` 0, then the empty terminator
-(`docs/protocol.md` §6.7 rows 1-4, §6.8), logged and counted by error code. The service's
+(`docs/protocol.md` §6.7 rows 1-4, §6.8), logged and counted by error code. Its `micro`
+counts what `$SRV.STATS` reports of the subject: every message a request, every refusal
+an error, the callback's time its processing time (`shared/micro.py`). The service's
 handler receives a `Request` and refuses it by raising `MeshError`; whatever it sends on
 admission (the worker's frames, the router's forward) is its own.
 """
@@ -15,6 +17,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -25,6 +28,7 @@ from genmesh.shared import frames, tracing
 from genmesh.shared.bus import STREAM_TERMINATOR, codec_headers, message_codec
 from genmesh.shared.envelope import Envelope, EnvelopeError, peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
+from genmesh.shared.micro import MicroEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ class EnvelopeEndpoint:
         *,
         queue: str = "",
         on_reject: RejectHook | None = None,
+        micro_data: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.nc = nc
         self.subject = subject
@@ -66,6 +71,8 @@ class EnvelopeEndpoint:
         self.on_reject = on_reject
         # Requests answered with an `err` frame here, by error code (for metrics).
         self.rejections: Counter[str] = Counter()
+        # The subject as `$SRV` reports it (the service lists it in its MicroService).
+        self.micro = MicroEndpoint("generate", subject, queue, micro_data)
 
     async def subscribe(self) -> Subscription:
         # With tracing on, the requester's trace context is current while a message is
@@ -79,29 +86,34 @@ class EnvelopeEndpoint:
             await self._on_message(msg)
 
     async def _on_message(self, msg: Msg) -> None:
+        since = self.micro.received()
         try:
-            codec = message_codec(msg)
-        except UnknownCodecError as exc:
-            # Nobody can read a reply in a codec we do not know; JSON is the lingua franca.
-            await self.reject(msg.reply, get_codec("json"), None, ErrorCode.UNKNOWN_CODEC, exc)
-            return
-        try:
-            obj = codec.decode(msg.data)
-        except CodecError as exc:
-            await self.reject(msg.reply, codec, None, ErrorCode.BAD_ENVELOPE, exc)
-            return
-        try:
-            envelope = Envelope.from_wire(obj)
-        except EnvelopeError as exc:
-            await self.reject(msg.reply, codec, peek_id(obj), ErrorCode.BAD_ENVELOPE, exc)
-            return
-        if not msg.reply:
-            log.warning("request %s has no reply subject; dropped", envelope.id)
-            return
-        try:
-            await self.handler(Request(msg, codec, envelope))
-        except MeshError as error:
-            await self.refuse(msg.reply, codec, envelope.id, error)
+            try:
+                codec = message_codec(msg)
+            except UnknownCodecError as exc:
+                # Nobody can read a reply in a codec we do not know; JSON is the lingua franca.
+                await self.reject(msg.reply, get_codec("json"), None, ErrorCode.UNKNOWN_CODEC, exc)
+                return
+            try:
+                obj = codec.decode(msg.data)
+            except CodecError as exc:
+                await self.reject(msg.reply, codec, None, ErrorCode.BAD_ENVELOPE, exc)
+                return
+            try:
+                envelope = Envelope.from_wire(obj)
+            except EnvelopeError as exc:
+                await self.reject(msg.reply, codec, peek_id(obj), ErrorCode.BAD_ENVELOPE, exc)
+                return
+            if not msg.reply:
+                log.warning("request %s has no reply subject; dropped", envelope.id)
+                self.micro.failed(f"request {envelope.id} has no reply subject")
+                return
+            try:
+                await self.handler(Request(msg, codec, envelope))
+            except MeshError as error:
+                await self.refuse(msg.reply, codec, envelope.id, error)
+        finally:
+            self.micro.handled(since)
 
     async def reject(
         self, reply: str, codec: Codec, rid: str | None, code: ErrorCode, exc: Exception
@@ -112,6 +124,7 @@ class EnvelopeEndpoint:
         """Answer a request that will not be served: its `err` frame, then the terminator."""
         log.info("rejected request %s: %s: %s", rid, error.code.value, error.message)
         self.rejections[error.code.value] += 1
+        self.micro.failed(f"{error.code.value}: {error.message}")
         if self.on_reject is not None:
             self.on_reject(rid, error)
         if not reply:

@@ -106,6 +106,8 @@ class FrontendMetrics:
         self.inflight = Gauge(
             PREFIX + "inflight_requests", "Generate requests being handled", route, registry=r
         )
+        # The HTTP status and error code of the last request that failed (for `$SRV.STATS`).
+        self.last_error = ""
         self.ttft = LoopHistogram(
             PREFIX + "time_to_first_token_seconds",
             "From a request's arrival to its first output token (of any of its generations)",
@@ -261,6 +263,8 @@ class RequestMetrics:
         metrics, route = self._metrics, self._route
         route.inflight.dec()
         metrics.outcome(self.info.format, self.info.endpoint, status, error_type).inc()
+        if error_type is not None:
+            metrics.last_error = f"{status} {error_type}"
         if self._items:  # dispatched
             route.duration.observe(_now() - self.info.received_at)
         if error_type == _CANCELLED:

@@ -24,6 +24,7 @@ from genmesh.services.frontend.config import FrontendConfig
 from genmesh.services.frontend.connections import BoundedTCPSite, refusal
 from genmesh.services.frontend.generate import dumps
 from genmesh.services.frontend.metrics import PREFIX, FrontendMetrics
+from genmesh.services.frontend.micro import frontend_micro
 from genmesh.services.frontend.records import RequestRecords
 from genmesh.services.frontend.state import FrontendState, MeshBackend
 from genmesh.services.frontend.traces import TraceObserver
@@ -185,8 +186,12 @@ async def start_frontend(config: FrontendConfig) -> RunningFrontend:
         )
         await site.start()
         port = runner.addresses[0][1]
+        url = f"http://{config.host}:{port}"
+        micro = frontend_micro(nc, namespace, url, metrics)
+        await micro.start()
+        resources.push_async_callback(micro.stop)  # first: the frontend is going
         routes = ", ".join(f"{r.method} {r.path}" for f in formats for r in f.routes)
-        log.info("frontend listening on http://%s:%d (%s)", config.host, port, routes)
+        log.info("frontend listening on %s (%s)", url, routes)
         if router is not None:
             log.info("frontend routes requests itself (policy %s)", router.policy.name)
         return RunningFrontend(state, runner, port, records, resources.pop_all())

@@ -40,6 +40,7 @@ from genmesh.shared.endpoint import EnvelopeEndpoint, Request
 from genmesh.shared.envelope import peek_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.lifecycle import Service
+from genmesh.shared.micro import MicroService
 from genmesh.shared.subjects import ROUTER_QUEUE_GROUP, Subjects
 from genmesh.shared.tasks import TaskOwner
 
@@ -83,8 +84,23 @@ class Router(Service):
         self.directory = WorkerDirectory(nc, subjects)
         self.kv = kv_subscriber(self.policy, nc, subjects, self.directory)
         self.endpoint = EnvelopeEndpoint(
-            nc, subjects.router_generate, self._route, queue=ROUTER_QUEUE_GROUP
+            nc,
+            subjects.router_generate,
+            self._route,
+            queue=ROUTER_QUEUE_GROUP,
+            # A router holds a request only while it waits in the admission queue: once
+            # forwarded, it is its worker's.
+            micro_data=lambda: {"inflight": len(self._held)},
         )
+        # Answers `$SRV` (docs/protocol.md, "$SRV (NATS micro)").
+        self.micro = MicroService(
+            nc,
+            role="router",
+            namespace=subjects.namespace,
+            description=f"genmesh router {router_id} (policy {self.policy.name})",
+            metadata={"router_id": router_id},
+        )
+        self.micro.add(self.endpoint.micro)
         config = admission or AdmissionConfig()
         self.admission = Admission(
             Chooser(self.directory, self.policy, config, pd), config, f"router {router_id}"
@@ -120,6 +136,8 @@ class Router(Service):
             for sub in subs:
                 stack.push_async_callback(unsubscribe_quietly, sub)
             await check_subscriptions(self.nc, *subs)
+            await self.micro.start()
+            stack.push_async_callback(self.micro.stop)
             stack.push_async_callback(self._leave)
             stack.push_async_callback(self._tasks.close)
             stack.push_async_callback(self._refuse_held)

@@ -28,6 +28,7 @@ from genmesh.codecs import Codec, CodecError, UnknownCodecError, get_codec
 from genmesh.services.worker.kv_mirror import KvMirror
 from genmesh.shared.bus import codec_headers, message_codec, publish
 from genmesh.shared.kv_events import BlockStored, KvEventBatch, KvEventsMessage, KvSnapshotPage
+from genmesh.shared.micro import MicroEndpoint
 from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,10 @@ class KvRelay:
         self._latest: _Frozen | None = None
         self._sending = True  # whether the last publish went out (to log changes once)
 
-    async def subscribe(self) -> Subscription:
-        """Answer snapshot requests (the caller unsubscribes it)."""
-        return await self.nc.subscribe(self.snapshot_subject, cb=self._on_snapshot)
+    async def subscribe(self, micro: MicroEndpoint) -> Subscription:
+        """Answer snapshot requests, each counted by `micro` (`$SRV`; the caller
+        unsubscribes it)."""
+        return await self.nc.subscribe(self.snapshot_subject, cb=micro.counted(self._on_snapshot))
 
     async def run(self) -> None:
         """Relay every batch of the engine's until cancelled or the engine's stream ends."""

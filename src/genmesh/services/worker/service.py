@@ -53,6 +53,7 @@ from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.ids import MAX_ID_BYTES, id_problem, new_request_id
 from genmesh.shared.kv_events import KV_EVENTS_CARD_KEY
 from genmesh.shared.lifecycle import Service
+from genmesh.shared.micro import MicroEndpoint, MicroService
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tasks import TaskOwner, wait_event
 
@@ -102,7 +103,22 @@ class Worker(Service):
         self.config = config
         self.subject = subjects.worker_generate(config.worker_id)
         self.endpoint = EnvelopeEndpoint(
-            nc, self.subject, self._admit, on_reject=self._rejection_span
+            nc,
+            self.subject,
+            self._admit,
+            on_reject=self._rejection_span,
+            micro_data=lambda: {
+                "inflight": self.inflight,
+                "max_concurrency": self.config.max_concurrency,
+            },
+        )
+        # Answers `$SRV` (docs/protocol.md, "$SRV (NATS micro)"); endpoints listed as
+        # start() subscribes them.
+        self.micro = MicroService(
+            nc,
+            role="worker",
+            namespace=subjects.namespace,
+            description=f"genmesh worker {config.worker_id} ({engine.name} engine)",
         )
         self._active: dict[str, _Active] = {}
         self.tombstones = Tombstones()
@@ -179,25 +195,31 @@ class Worker(Service):
                 await self.pd_decoder.start()
                 stack.push_async_callback(self.pd_decoder.close)
             on_publish_denied(self.nc, self._on_publish_denied)
+            micro = self.micro
             subs = []
             kv_events = self.engine.kv_events()
             if kv_events is not None:
                 # Before the first request: every event of the engine's is relayed.
                 self.kv_relay = KvRelay(self.nc, self.subjects, self.worker_id, kv_events)
-                subs.append(await self.kv_relay.subscribe())
+                snapshots = MicroEndpoint("kv_snapshot", self.kv_relay.snapshot_subject)
+                subs.append(await self.kv_relay.subscribe(micro.add(snapshots)))
                 self._tasks.spawn(self.kv_relay.run(), name="kv events")
-            subs += [
-                await self.endpoint.subscribe(),
-                await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel),
-                await self.nc.subscribe(self.subjects.abort, cb=self.admin.on_abort),
-                await self.nc.subscribe(self.subjects.flush_cache, cb=self.admin.on_flush),
-                await self.nc.subscribe(self.subjects.query, cb=self._on_query),
-                await self.nc.subscribe(
-                    self.subjects.worker_ping(self.worker_id), cb=self._on_ping
-                ),
-            ]
+            micro.add(self.endpoint.micro)
+            subs.append(await self.endpoint.subscribe())
+            for name, subject, callback in (
+                ("ping", self.subjects.worker_ping(self.worker_id), self._on_ping),
+                ("cancel", self.subjects.cancel, self._on_cancel),
+                ("abort", self.subjects.abort, self.admin.on_abort),
+                ("flush_cache", self.subjects.flush_cache, self.admin.on_flush),
+            ):
+                counted = micro.add(MicroEndpoint(name, subject)).counted(callback)
+                subs.append(await self.nc.subscribe(subject, cb=counted))
+            subs.append(await self.nc.subscribe(self.subjects.query, cb=self._on_query))
             stack.push_async_callback(_unsubscribe_all, subs)
             await check_subscriptions(self.nc, *subs)
+            micro.metadata |= self._micro_metadata()
+            await micro.start()
+            stack.push_async_callback(micro.stop)
             # Still subscribed while draining: a request a router forwarded before it saw
             # the leave is refused as retryable (it migrates) rather than meeting no
             # responders.
@@ -273,6 +295,17 @@ class Worker(Service):
             card["disagg"] = {"kind": self.pd.pd_kind, **self.pd.pd_card()}
         return card
 
+    def _micro_metadata(self) -> dict[str, str]:
+        """The worker's facts in its `$SRV` metadata (strings only, as the protocol says)."""
+        facts = self.engine.describe()
+        return {
+            "worker_id": self.worker_id,
+            "worker_role": self.config.role,
+            "engine": self.engine.name,
+            "model": str(facts.get("model", "")),
+            "format": ",".join(facts.get("formats", ["*"])),
+        }
+
     async def _announce(self) -> None:
         if self._engine_up:
             await publish(self.nc, self.subjects.announce, get_codec(None), self.card())
@@ -295,6 +328,7 @@ class Worker(Service):
             self._engine_up = up
             if up:
                 log.info("worker %s: engine is up; joining", self.worker_id)
+                self.micro.metadata |= self._micro_metadata()  # the model, once it is known
                 self._load_changed.set()
             else:
                 log.warning("worker %s: engine is down; leaving discovery", self.worker_id)
@@ -518,6 +552,8 @@ class Worker(Service):
         self._load_changed.set()
         outcome = _outcome(active.last)
         self.stats[outcome] += 1
+        if outcome == "failed":  # an error of the generate endpoint's, for `$SRV.STATS`
+            self.endpoint.micro.failed(_failure(active.last))
         if active.envelope.disagg is not None:
             self.stage_stats[outcome] += 1
         if active.span is not None:
@@ -599,6 +635,13 @@ def _outcome(last: frames.Frame | None) -> str:
     if last is not None and last["t"] == frames.ERR and last["code"] == ErrorCode.CANCELLED:
         return "cancelled"
     return "failed"
+
+
+def _failure(last: frames.Frame | None) -> str:
+    """What a failed request's `$SRV` `last_error` says: its `err` frame's code and message."""
+    if last is not None and last["t"] == frames.ERR:
+        return f"{last['code']}: {last['message']}"
+    return "its frames could not be sent"
 
 
 async def _unsubscribe_all(subs: list[Subscription]) -> None:

@@ -1,0 +1,263 @@
+"""`$SRV`: every genmesh process answers the NATS micro protocol (ADR-32), so that
+`nats micro ls|info|stats genmesh` list the mesh (docs/protocol.md, "$SRV (NATS micro)").
+
+Requests go out as the NATS CLI sends them (a request on `$SRV.<VERB>[.genmesh[.<id>]]`,
+every reply gathered until a short quiet interval), and each reply is checked against the
+CLI's own JSON schemas (tests/micro_schemas/, from nats-io/jsm.go). The `nats` binary is
+not installed here; the schemas stand for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from genmesh import __version__
+from genmesh.client import MeshClient, request
+from genmesh.codecs import get_codec
+from genmesh.services.worker.config import WorkerConfig
+from genmesh.shared.subjects import Subjects
+from tests.http_util import post
+from tests.inproc import InProcessMesh
+
+pytestmark = pytest.mark.inproc
+
+SCHEMAS = Path(__file__).parent / "micro_schemas"
+# The quiet interval that ends a gathering (the NATS CLI waits about as long for more
+# services after the last answer).
+QUIET_S = 0.3
+
+
+def schema(kind: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((SCHEMAS / f"{kind}_response.json").read_text())
+    return loaded
+
+
+async def gather(nc: Client, subject: str, *, kind: str, namespace: str) -> list[dict[str, Any]]:
+    """Every answer to one request on `subject` until none came for QUIET_S, each valid
+    under the CLI's schema for `kind`; those of `namespace`'s mesh (the test server hosts
+    other tests' meshes too, which answer `$SRV.PING` as well)."""
+    replies: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_reply(msg: Msg) -> None:
+        replies.put_nowait(msg)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        answers = []
+        while True:
+            try:
+                msg = await asyncio.wait_for(replies.get(), QUIET_S if answers else 3.0)
+            except TimeoutError:
+                break
+            answer = json.loads(msg.data)
+            jsonschema.validate(answer, schema(kind), format_checker=jsonschema.FormatChecker())
+            answers.append(answer)
+    finally:
+        await sub.unsubscribe()
+    return [a for a in answers if (a.get("metadata") or {}).get("namespace") == namespace]
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    conn = await nats.connect(nats_url, name="genmesh-test-micro")
+    yield conn
+    await conn.close()
+
+
+def by_role(answers: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
+    return [a for a in answers if a["metadata"]["role"] == role]
+
+
+def endpoint(answer: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [e for e in answer["endpoints"] if e["name"] == name]
+    return found
+
+
+async def test_every_process_answers_ping_as_the_cli_parses_it(
+    nc: Client, mesh: InProcessMesh
+) -> None:
+    for subject in ("$SRV.PING", "$SRV.PING.genmesh"):
+        pings = await gather(nc, subject, kind="ping", namespace=mesh.namespace)
+        assert {p["type"] for p in pings} == {"io.nats.micro.v1.ping_response"}
+        assert {(p["name"], p["version"]) for p in pings} == {("genmesh", __version__)}
+        assert len({p["id"] for p in pings}) == len(pings)  # one instance per process
+        workers = by_role(pings, "worker")
+        assert sorted(w["metadata"]["worker_id"] for w in workers) == sorted(
+            w.name for w in mesh.workers
+        )
+        assert len(by_role(pings, "router")) == 1
+        assert len(by_role(pings, "frontend")) == 1
+    # One instance by its id.
+    worker = workers[0]
+    (alone,) = await gather(
+        nc, f"$SRV.PING.genmesh.{worker['id']}", kind="ping", namespace=mesh.namespace
+    )
+    assert alone == worker
+
+
+async def test_info_lists_each_process_its_endpoints_and_metadata(
+    nc: Client, mesh: InProcessMesh
+) -> None:
+    infos = await gather(nc, "$SRV.INFO.genmesh", kind="info", namespace=mesh.namespace)
+    subjects = Subjects(mesh.namespace)
+    for info in by_role(infos, "worker"):
+        wid = info["metadata"]["worker_id"]
+        assert info["metadata"] == {
+            "namespace": mesh.namespace,
+            "role": "worker",
+            "worker_id": wid,
+            "worker_role": "both",
+            "engine": "mock",
+            "model": "genmesh-mock",
+            "format": "*",
+        }
+        assert info["description"] == f"genmesh worker {wid} (mock engine)"
+        assert {(e["name"], e["subject"], e["queue_group"]) for e in info["endpoints"]} == {
+            ("generate", subjects.worker_generate(wid), ""),
+            ("ping", subjects.worker_ping(wid), ""),
+            ("cancel", subjects.cancel, ""),
+            ("abort", subjects.abort, ""),
+            ("flush_cache", subjects.flush_cache, ""),
+        }
+    (router,) = by_role(infos, "router")
+    router_id = router["metadata"]["router_id"]
+    assert router_id
+    assert router["description"] == f"genmesh router {router_id} (policy round_robin)"
+    assert router["endpoints"] == [
+        {
+            "name": "generate",
+            "subject": subjects.router_generate,
+            "queue_group": "router",
+            "metadata": {},
+        }
+    ]
+
+
+async def test_stats_count_requests_and_errors_per_endpoint(
+    nc: Client, nats_url: str, mesh: InProcessMesh
+) -> None:
+    """n requests through the router: its generate endpoint counts n, the workers' n
+    between them; an invalid envelope sent to a worker is an error of that worker's."""
+    ns = mesh.namespace
+
+    async def stats() -> list[dict[str, Any]]:
+        return await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+
+    def generate_counts(answers: list[dict[str, Any]], role: str) -> tuple[int, int]:
+        eps = [endpoint(a, "generate") for a in by_role(answers, role)]
+        return sum(e["num_requests"] for e in eps), sum(e["num_errors"] for e in eps)
+
+    before = await stats()
+    n = 5
+    async with await MeshClient.connect(nats_url, ns) as client:
+        for i in range(n):
+            frames = [f async for f in client.generate(request([1, 2, i], max_tokens=3))]
+            assert frames[-1]["t"] == "end", frames[-1]
+    after = await stats()
+    assert generate_counts(after, "router")[0] == generate_counts(before, "router")[0] + n
+    assert generate_counts(after, "worker")[0] == generate_counts(before, "worker")[0] + n
+    assert generate_counts(after, "worker")[1] == generate_counts(before, "worker")[1]
+    for worker in by_role(after, "worker"):
+        generate = endpoint(worker, "generate")
+        assert generate["data"] == {
+            "inflight": 0,
+            "max_concurrency": WorkerConfig().max_concurrency,  # the shared mesh's
+        }
+        if generate["num_requests"]:
+            assert generate["processing_time"] > 0
+            assert generate["average_processing_time"] == (
+                generate["processing_time"] // generate["num_requests"]
+            )
+    (router,) = by_role(after, "router")
+    assert endpoint(router, "generate")["data"] == {"inflight": 0}
+
+    # An envelope without its fields, straight to one worker: refused, counted as an error.
+    wid = mesh.workers[0].name
+    (target,) = [w for w in by_role(after, "worker") if w["metadata"]["worker_id"] == wid]
+    json_codec = get_codec("json")
+    reply = await nc.request(
+        Subjects(ns).worker_generate(wid),
+        json_codec.encode({"v": 1, "id": "micro-bad"}),
+        headers={"genmesh-codec": "json"},
+        timeout=5,
+    )
+    assert json_codec.decode(reply.data)["code"] == "bad_envelope"
+    (refused,) = await gather(nc, f"$SRV.STATS.genmesh.{target['id']}", kind="stats", namespace=ns)
+    generate = endpoint(refused, "generate")
+    assert generate["num_requests"] == endpoint(target, "generate")["num_requests"] + 1
+    assert generate["num_errors"] == endpoint(target, "generate")["num_errors"] + 1
+    assert generate["last_error"].startswith("bad_envelope: "), generate["last_error"]
+
+
+async def test_the_small_endpoints_count_their_messages(nc: Client, mesh: InProcessMesh) -> None:
+    """A ping of one worker is one request of its `ping` endpoint; a cancel reaches every
+    worker's `cancel`."""
+    ns = mesh.namespace
+    wid = mesh.workers[0].name
+
+    async def worker_stats() -> dict[str, dict[str, Any]]:
+        answers = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+        return {a["metadata"]["worker_id"]: a for a in by_role(answers, "worker")}
+
+    before = await worker_stats()
+    await nc.request(Subjects(ns).worker_ping(wid), b"", timeout=5)
+    await nc.publish(Subjects(ns).cancel, get_codec("json").encode({"id": "micro-nobody"}),
+                     headers={"genmesh-codec": "json"})  # fmt: skip
+    await nc.flush()
+    await asyncio.sleep(QUIET_S)
+    after = await worker_stats()
+    for worker, stats in after.items():
+        pings = (
+            endpoint(stats, "ping")["num_requests"]
+            - endpoint(before[worker], "ping")["num_requests"]
+        )
+        assert pings == (1 if worker == wid else 0)
+        cancels = endpoint(stats, "cancel")["num_requests"]
+        assert cancels == endpoint(before[worker], "cancel")["num_requests"] + 1
+        assert endpoint(stats, "cancel")["num_errors"] == 0
+
+
+async def test_the_frontend_reports_its_http_requests(nc: Client, mesh: InProcessMesh) -> None:
+    """The frontend's one endpoint, `http`, counts its generate requests: n served, one
+    refused (a 400) an error."""
+    ns = mesh.namespace
+
+    async def frontend() -> dict[str, Any]:
+        answers = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+        (found,) = by_role(answers, "frontend")
+        return endpoint(found, "http")
+
+    (info,) = by_role(await gather(nc, "$SRV.INFO.genmesh", kind="info", namespace=ns), "frontend")
+    assert info["metadata"] == {"namespace": ns, "role": "frontend", "http": mesh.http_url}
+    assert info["endpoints"] == [
+        {"name": "http", "subject": mesh.http_url, "queue_group": "", "metadata": {}}
+    ]
+    before = await frontend()
+    n = 3
+    for i in range(n):
+        body = {"input_ids": [1, 2, i], "sampling_params": {"max_new_tokens": 2}}
+        assert (await post(mesh.http_url + "/generate", body)).status == 200
+    served = await frontend()
+    assert served["num_requests"] == before["num_requests"] + n
+    assert served["num_errors"] == before["num_errors"]
+    assert served["processing_time"] > before["processing_time"]
+    assert served["data"] == {"inflight": 0}
+
+    refused = await post(mesh.http_url + "/generate", {"input_ids": "not tokens"})
+    assert refused.status == 400
+    after = await frontend()
+    assert after["num_requests"] == served["num_requests"] + 1
+    assert after["num_errors"] == served["num_errors"] + 1
+    assert after["last_error"] == "400 invalid_argument", after["last_error"]
