@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.micro.service import EndpointStats
+
 from genmesh.shared.discovery import WorkerDirectory
 from genmesh.status.srv import SrvService, SrvSurvey
 
@@ -70,18 +72,20 @@ class Row:
     def srv_data(self) -> dict[str, Any]:
         """The `data` of the endpoint that carries this process's load (docs/protocol.md,
         "$SRV"): `generate` for workers and routers, `http` for a frontend."""
-        if self.srv is None:
-            return {}
-        endpoint = self.srv.endpoints.get("http" if self.kind == FRONTEND else "generate")
+        endpoint = self._served()
         data = endpoint.data if endpoint is not None else None
         return data if isinstance(data, dict) else {}
 
     def srv_counts(self) -> tuple[int, int] | None:
-        """(requests, errors) over every `$SRV` endpoint; None without `$SRV`."""
-        if self.srv is None or not self.srv.endpoints:
+        """(requests, errors) of that endpoint (its pings and cancels are not requests a
+        reader counts); None without `$SRV`."""
+        endpoint = self._served()
+        return None if endpoint is None else (endpoint.num_requests, endpoint.num_errors)
+
+    def _served(self) -> EndpointStats | None:
+        if self.srv is None:
             return None
-        stats = self.srv.endpoints.values()
-        return sum(e.num_requests for e in stats), sum(e.num_errors for e in stats)
+        return self.srv.endpoints.get("http" if self.kind == FRONTEND else "generate")
 
     def to_json(self) -> dict[str, Any]:
         inflight, capacity = self.load
@@ -112,8 +116,8 @@ class MeshView:
     nats_url: str
     taken_at: float  # Unix time
     rows: dict[str, list[Row]] = field(default_factory=lambda: {k: [] for k in KINDS})
-    # `$SRV` answers that could not be read, and genmesh services of this namespace
-    # whose role is none of the three or that lack the id of theirs.
+    # `$SRV` answers that could not be read (of any namespace: which one is unknown), and
+    # services of this namespace whose role is none of the three or that lack its id.
     unreadable: int = 0
 
     @property
@@ -136,7 +140,9 @@ class MeshView:
         for health in sorted({r.health for r in self.flagged()}):
             lines.append(f"{health}: {HEALTH_NOTES[health]}")
         if self.unreadable:
-            lines.append(f"{self.unreadable} $SRV answer(s) of this namespace could not be read")
+            lines.append(
+                f"{self.unreadable} $SRV answer(s) could not be read or matched to a process"
+            )
         return lines
 
     def to_json(self) -> dict[str, Any]:
