@@ -29,6 +29,7 @@ from nats.micro.service import (
 
 from genmesh.shared.bus import is_no_responders, unsubscribe_quietly
 from genmesh.shared.micro import SERVICE_NAME
+
 # natscli's quiet interval: no further answer within it ends the gathering.
 QUIET_S = 0.3
 # An endpoint's stats fields a responder may leave out (ADR-32 marks them optional).
