@@ -122,6 +122,29 @@ async def test_status_lists_routers_workers_and_the_frontend(
     assert shown["notes"] == []
 
 
+async def test_the_tables_show_each_process_on_one_row(nats_url: str, mesh: InProcessMesh) -> None:
+    """Without --json: a table per kind, one row per process naming it, its health and
+    (a worker) its engine, role, model and load; no notes when everything is up."""
+    out = io.StringIO()
+    code = await run_status(StatusConfig(mesh=MeshConnection(nats_url, mesh.namespace)), out)
+    assert code == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"genmesh status  namespace {mesh.namespace}  {nats_url}  ")
+    assert [line.strip() for line in lines if line[:1].isalpha()][1:] == [
+        "routers",
+        "workers",
+        "frontends",
+    ]
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if "│" in line]
+    for worker in mesh.workers:
+        (row,) = [c for c in cells if c[0] == worker.name]
+        assert row[1:6] == ["up", "mock", "both", "genmesh-mock", "0/256"]
+    (frontend,) = [c for c in cells if c[2] == f"http://127.0.0.1:{mesh.http_port}"]
+    assert frontend[1] == "up"
+    assert sum(c[1] == "up" for c in cells) == 4  # a router, two workers, the frontend
+    assert not any(line.startswith(("no_", "draining", "gone")) for line in lines)
+
+
 async def test_a_process_known_to_one_side_only_is_flagged(
     nats_url: str, nc: Client, empty_mesh: InProcessMesh
 ) -> None:

@@ -41,9 +41,13 @@ def render(view: MeshView) -> RenderableType:
 
 def _table(title: str, *columns: str) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold")
-    for name in columns:
+    for i, name in enumerate(columns):
         numeric = name in ("load", "in flight", "queued", "requests", "errors", "card age")
-        table.add_column(name, justify="right" if numeric else "left", no_wrap=True)
+        # On a narrow terminal the other cells fold onto more lines: the id (first) stays
+        # whole on one, and no cell is cut short.
+        table.add_column(
+            name, justify="right" if numeric else "left", overflow="fold", no_wrap=i == 0
+        )
     return table
 
 

@@ -85,8 +85,9 @@ def _console(out: TextIO) -> Console:
 
 
 async def _watch(look: Look, config: StatusConfig, out: TextIO) -> MeshView:
-    """Look every `--watch` seconds until a stop signal: redraw the tables in place, or
-    print one JSON object per line. Returns the last view."""
+    """Look every `--watch` seconds until a stop signal: redraw the tables in place on a
+    terminal, else print each look's (or its JSON object, one a line). Returns the last
+    view."""
     assert config.watch_s is not None
     departures = Departures()
     console = _console(out)
@@ -98,6 +99,8 @@ async def _watch(look: Look, config: StatusConfig, out: TextIO) -> MeshView:
                 departures.add_to(view)
                 if config.as_json:
                     print(json.dumps(view.to_json()), file=out, flush=True)
+                elif not console.is_terminal:  # a pipe or a file: one frame after another
+                    console.print(render(view), "")
                 elif live is None:
                     live = Live(render(view), console=console, auto_refresh=False)
                     live.start()
