@@ -39,6 +39,7 @@ from genmesh.shared.natsserver import NatsServer, find_nats_server
 from genmesh.shared.settings import variables
 from tests.conftest import unique_namespace
 from tests.mesh import Mesh, free_port, start_mesh, wait_until
+from tests.srv import gather
 
 pytestmark = pytest.mark.unit
 
@@ -357,6 +358,9 @@ MATRIX: list[Rule] = [
         "client", "sub", "_INBOX_client2.>", False, "another client's inbox",
         sample="_INBOX_client2.c.0",
     ),
+    Rule("client", "pub", "$SRV.PING", False, "the mesh's layout is the operators' ($SRV)"),
+    Rule("client", "pub", "$SRV.STATS.genmesh", False, "nor its services' stats"),
+    Rule("client", "sub", "$SRV.PING", False, "cannot pose as a service"),
     # client2: a second client application, with its own user and inbox prefix
     Rule(
         "client2", "sub", "_INBOX_client2.c.*", True, "its replies, under its own prefix",
@@ -401,6 +405,13 @@ MATRIX: list[Rule] = [
     ),
     Rule("frontend", "sub", "genmesh.{ns}.router.generate", False, "cannot read requests"),
     Rule("frontend", "sub", "genmesh.{ns}.cancel", False, "cannot watch cancels"),
+    Rule("frontend", "sub", "$SRV.PING", True, "answers $SRV (NATS micro)"),
+    Rule("frontend", "sub", "$SRV.INFO.genmesh", True, "as a genmesh service"),
+    Rule(
+        "frontend", "sub", "$SRV.STATS.genmesh.*", True, "as its instance",
+        sample="$SRV.STATS.genmesh.x1",
+    ),
+    Rule("frontend", "pub", "$SRV.PING", False, "answers $SRV, never asks"),
     # router
     Rule(
         "router", "sub", "genmesh.{ns}.router.generate", True, "requests, in the queue group",
@@ -435,6 +446,10 @@ MATRIX: list[Rule] = [
         "router", "pub", "_INBOX_frontend.f1.0", False,
         "replies only to requests it received (allow_responses)",
     ),
+    Rule("router", "sub", "$SRV.PING.genmesh", True, "answers $SRV (NATS micro)"),
+    Rule("router", "sub", "$SRV.STATS", True, "its stats"),
+    Rule("router", "sub", "$SRV.>", False, "only the $SRV subjects it answers"),
+    Rule("router", "pub", "$SRV.INFO", False, "answers $SRV, never asks"),
     # worker
     Rule("worker", "sub", W + ".generate", True, "its requests"),
     Rule("worker", "sub", W + ".ping", True, "liveness pings"),
@@ -472,6 +487,14 @@ MATRIX: list[Rule] = [
         "worker", "sub", "_INBOX_decode.>", False, "a decode worker's inbox",
         sample="_INBOX_decode.d.0",
     ),
+    Rule("worker", "sub", "$SRV.INFO", True, "answers $SRV (NATS micro)"),
+    Rule(
+        "worker", "sub", "$SRV.PING.genmesh.*", True, "as its instance",
+        sample="$SRV.PING.genmesh.x1",
+    ),
+    Rule("worker", "sub", "$SRV.*.other", False, "not another service's $SRV subjects",
+         sample="$SRV.PING.other"),
+    Rule("worker", "pub", "$SRV.STATS", False, "answers $SRV, never asks"),
     # decode: a decode worker (--role decode), which has prefill stages run elsewhere
     Rule("decode", "sub", W + ".generate", True, "its requests"),
     Rule("decode", "pub", "genmesh.{ns}.worker.w2.generate", True, "prefill stages"),
@@ -497,9 +520,11 @@ MATRIX: list[Rule] = [
         "decode", "pub", "_INBOX_frontend.f1.0", False,
         "replies only to requests it received (allow_responses)",
     ),
+    Rule("decode", "sub", "$SRV.STATS.genmesh", True, "answers $SRV (NATS micro)"),
     # admin: operators' tools
     Rule("admin", "sub", ">", True, "everything", sample="genmesh.{ns}.cancel"),
     Rule("admin", "pub", W + ".generate", True, "everything"),
+    Rule("admin", "pub", "$SRV.PING", True, "genmesh status; nats micro ls, info, stats"),
 ]  # fmt: skip
 
 
@@ -665,6 +690,27 @@ async def test_the_mesh_works_with_each_roles_credentials(
 
 
 @pytest.mark.process
+async def test_every_role_answers_srv_to_the_admin_user(
+    secured_mesh: Mesh, secured_server: NatsServer
+) -> None:
+    """`nats micro ls` as operators run it (the admin user): each process answers with its
+    own user (its `$SRV` subscriptions and allow_responses), the frontend too."""
+    admin = await connect(secured_server.url, name="admin", auth=role_auth("admin"))
+    try:
+        pings = await gather(admin, "$SRV.PING", kind="ping", namespace=secured_mesh.namespace)
+        stats = await gather(
+            admin, "$SRV.STATS.genmesh", kind="stats", namespace=secured_mesh.namespace
+        )
+    finally:
+        await admin.close()
+    roles = sorted(p["metadata"]["role"] for p in pings)
+    assert roles == ["frontend", "router", "router", "worker", "worker"]
+    assert sorted(s["id"] for s in stats) == sorted(p["id"] for p in pings)
+    for service in secured_mesh.services:
+        assert "permissions violation" not in service.log().lower(), service.name
+
+
+@pytest.mark.process
 async def test_a_pd_mesh_pairs_with_each_roles_credentials(
     secured_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -701,6 +747,19 @@ async def test_a_pd_mesh_pairs_with_each_roles_credentials(
             return [w["stats"]["admitted"] for w in workers] == [1, 1]
 
         wait_until(both_ran_it, what="the request on w-decode and its stage on w-prefill")
+        # The decode user answers `$SRV` too, with the prefill worker's kv_pull counted.
+        admin = await connect(secured_server.url, name="admin", auth=role_auth("admin"))
+        try:
+            stats = await gather(admin, "$SRV.STATS", kind="stats", namespace=mesh.namespace)
+        finally:
+            await admin.close()
+        pulls = {
+            s["metadata"].get("worker_role", "-"): [
+                e["num_requests"] for e in s["endpoints"] if e["name"] == "kv_pull"
+            ]
+            for s in stats
+        }
+        assert pulls == {"-": [], "prefill": [1], "decode": [0]}  # "-": the frontend
         for service in mesh.services:
             assert "permissions violation" not in service.log().lower(), service.name
     finally:

@@ -3,70 +3,31 @@
 
 Requests go out as the NATS CLI sends them (a request on `$SRV.<VERB>[.genmesh[.<id>]]`,
 every reply gathered until a short quiet interval), and each reply is checked against the
-CLI's own JSON schemas (tests/micro_schemas/, from nats-io/jsm.go). The `nats` binary is
-not installed here; the schemas stand for it.
+CLI's own JSON schemas (tests/srv.py). The `nats` binary is not installed here; the
+schemas stand for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import jsonschema
 import nats
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from genmesh import __version__
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared.subjects import Subjects
+from tests.conftest import unique_namespace
 from tests.http_util import post
-from tests.inproc import InProcessMesh
+from tests.inproc import InProcessMesh, start_inproc_mesh
+from tests.srv import QUIET_S, by_role, endpoint, gather
 
 pytestmark = pytest.mark.inproc
-
-SCHEMAS = Path(__file__).parent / "micro_schemas"
-# The quiet interval that ends a gathering (the NATS CLI waits about as long for more
-# services after the last answer).
-QUIET_S = 0.3
-
-
-def schema(kind: str) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((SCHEMAS / f"{kind}_response.json").read_text())
-    return loaded
-
-
-async def gather(nc: Client, subject: str, *, kind: str, namespace: str) -> list[dict[str, Any]]:
-    """Every answer to one request on `subject` until none came for QUIET_S, each valid
-    under the CLI's schema for `kind`; those of `namespace`'s mesh (the test server hosts
-    other tests' meshes too, which answer `$SRV.PING` as well)."""
-    replies: asyncio.Queue[Msg] = asyncio.Queue()
-
-    async def on_reply(msg: Msg) -> None:
-        replies.put_nowait(msg)
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_reply)
-    try:
-        await nc.publish(subject, b"", reply=inbox)
-        answers = []
-        while True:
-            try:
-                msg = await asyncio.wait_for(replies.get(), QUIET_S if answers else 3.0)
-            except TimeoutError:
-                break
-            answer = json.loads(msg.data)
-            jsonschema.validate(answer, schema(kind), format_checker=jsonschema.FormatChecker())
-            answers.append(answer)
-    finally:
-        await sub.unsubscribe()
-    return [a for a in answers if (a.get("metadata") or {}).get("namespace") == namespace]
 
 
 @pytest.fixture
@@ -74,15 +35,6 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
     conn = await nats.connect(nats_url, name="genmesh-test-micro")
     yield conn
     await conn.close()
-
-
-def by_role(answers: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
-    return [a for a in answers if a["metadata"]["role"] == role]
-
-
-def endpoint(answer: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [e for e in answer["endpoints"] if e["name"] == name]
-    return found
 
 
 async def test_every_process_answers_ping_as_the_cli_parses_it(
@@ -261,3 +213,43 @@ async def test_the_frontend_reports_its_http_requests(nc: Client, mesh: InProces
     assert after["num_requests"] == served["num_requests"] + 1
     assert after["num_errors"] == served["num_errors"] + 1
     assert after["last_error"] == "400 invalid_argument", after["last_error"]
+
+
+async def test_a_prefill_decode_pair_lists_its_kv_endpoints(nc: Client, nats_url: str) -> None:
+    """Workers with a prefix cache serve `kv_snapshot`; a mock prefill worker serves
+    `kv_pull`, which a disaggregated request calls once."""
+    ns = unique_namespace("micro-pd")
+    kv = ("--mock-kv-blocks", "64")
+    mesh = start_inproc_mesh(
+        nats_url,
+        namespace=ns,
+        routers=0,
+        worker_args=[("--role", "prefill", *kv), ("--role", "decode", *kv)],
+    )
+    try:
+        subjects = Subjects(ns)
+        infos = by_role(await gather(nc, "$SRV.INFO", kind="info", namespace=ns), "worker")
+        roles = {i["metadata"]["worker_role"]: i for i in infos}
+        assert set(roles) == {"prefill", "decode"}
+        for info in roles.values():
+            wid = info["metadata"]["worker_id"]
+            names = {e["name"]: e["subject"] for e in info["endpoints"]}
+            assert names["kv_snapshot"] == subjects.worker_kv_snapshot(wid)
+            # Both mocks serve their KV handles (a decode worker's are never asked for).
+            assert names["kv_pull"] == subjects.worker_kv_pull(wid)
+
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        assert (await post(mesh.http_url + "/generate", body)).status == 200
+        stats = by_role(await gather(nc, "$SRV.STATS", kind="stats", namespace=ns), "worker")
+        counts = {
+            s["metadata"]["worker_role"]: {
+                e["name"]: (e["num_requests"], e["num_errors"]) for e in s["endpoints"]
+            }
+            for s in stats
+        }
+        assert counts["prefill"]["generate"] == (1, 0)  # the request's prefill stage
+        assert counts["prefill"]["kv_pull"] == (1, 0)
+        assert counts["decode"]["generate"] == (1, 0)
+        assert counts["decode"]["kv_pull"] == (0, 0)
+    finally:
+        mesh.stop()

@@ -13,6 +13,7 @@ from genmesh.shared.kv_events import KvEventBatch
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
+    from genmesh.shared.micro import MicroService
     from genmesh.shared.subjects import Subjects
 
 
@@ -130,10 +131,13 @@ class Disaggregating(Protocol):
     pd_kind: str
     pd_concurrent: bool
 
-    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+    async def pd_attach(
+        self, nc: Client, subjects: Subjects, worker_id: str, micro: MicroService | None = None
+    ) -> None:
         """Called once by a prefill or decode worker as it starts, before any request:
-        an engine whose KV moves over the mesh (the mock) subscribes here; the engine's
-        subscriptions end with its `close`."""
+        an engine whose KV moves over the mesh (the mock) subscribes here, and lists what
+        it serves in the worker's `micro` (`$SRV`); the engine's subscriptions end with
+        its `close`."""
         ...
 
     def pd_card(self) -> dict[str, Any]:

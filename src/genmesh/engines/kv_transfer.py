@@ -33,6 +33,7 @@ from genmesh.shared.bus import (
     message_codec,
     unsubscribe_quietly,
 )
+from genmesh.shared.micro import MicroEndpoint
 from genmesh.shared.tasks import keep_cancel
 
 BAD_PULL = 'a KV pull request is {"handle": a string}'
@@ -90,9 +91,12 @@ class KvHandles:
             held.free()
 
 
-async def serve_kv_pull(nc: Client, subject: str, handles: KvHandles) -> Subscription:
+async def serve_kv_pull(
+    nc: Client, subject: str, handles: KvHandles, micro: MicroEndpoint
+) -> Subscription:
     """Answer pulls of `handles` on `subject` (the caller unsubscribes): a request
     `{"handle": id}` gets the handle's payload, or `{"error": why}`; in its own codec.
+    `micro` counts them for `$SRV`, an `error` answer as an error.
     `NatsPermissionDenied` if the server refuses the subscription."""
 
     async def on_pull(msg: Msg) -> None:
@@ -114,9 +118,11 @@ async def serve_kv_pull(nc: Client, subject: str, handles: KvHandles) -> Subscri
             answer = {"error": BAD_PULL}
         except TransferFailed as exc:
             answer = {"error": str(exc)}
+        if "error" in answer:
+            micro.failed(answer["error"])
         await nc.publish(msg.reply, codec.encode(answer), headers=codec_headers(codec))
 
-    sub = await nc.subscribe(subject, cb=on_pull)
+    sub = await nc.subscribe(subject, cb=micro.counted(on_pull))
     try:
         # Live at the server when this returns (a decode may pull at once), and refused
         # loudly on a secured server whose user may not serve pulls.

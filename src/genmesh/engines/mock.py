@@ -36,6 +36,7 @@ from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.frames import Finish, TopLogprobs
 from genmesh.shared.ids import is_subject_token
 from genmesh.shared.kv_events import KvEventBatch, request_extra_keys
+from genmesh.shared.micro import MicroEndpoint
 from genmesh.shared.multimodal import FeaturesError, envelope_items
 from genmesh.shared.settings import non_negative_float, option, positive_float, positive_int
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.subscription import Subscription
 
+    from genmesh.shared.micro import MicroService
     from genmesh.shared.subjects import Subjects
 
 _MASK = (1 << 64) - 1
@@ -688,12 +690,17 @@ class MockEngine:
     # The decode half starts once the prefill has handed its KV handle over.
     pd_concurrent = False
 
-    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
-        """Serve this engine's KV handles on its worker's kv_pull subject, and pull from
-        other workers' (until `close`)."""
+    async def pd_attach(
+        self, nc: Client, subjects: Subjects, worker_id: str, micro: MicroService | None = None
+    ) -> None:
+        """Serve this engine's KV handles on its worker's kv_pull subject (an endpoint of
+        the worker's `micro`), and pull from other workers' (until `close`)."""
         if self._pd is not None:
             raise RuntimeError("the mock is attached to a mesh already")
-        sub = await serve_kv_pull(nc, subjects.worker_kv_pull(worker_id), self._handles)
+        endpoint = MicroEndpoint("kv_pull", subjects.worker_kv_pull(worker_id))
+        if micro is not None:
+            micro.add(endpoint)
+        sub = await serve_kv_pull(nc, endpoint.subject, self._handles, endpoint)
         self._pd = _PdLink(nc, subjects, worker_id, sub)
 
     def pd_card(self) -> dict[str, Any]:

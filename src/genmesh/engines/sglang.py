@@ -64,6 +64,7 @@ from genmesh.shared.multimodal import FeaturesError, envelope_items
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
+    from genmesh.shared.micro import MicroService
     from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -491,7 +492,9 @@ class SglangEngine(HttpEngineBase):
 
     # ------------------------------------------------ prefill/decode disaggregation
 
-    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+    async def pd_attach(
+        self, nc: Client, subjects: Subjects, worker_id: str, micro: MicroService | None = None
+    ) -> None:
         """Nothing to attach: SGLang's servers move the KV between themselves."""
 
     def pd_card(self) -> dict[str, Any]:

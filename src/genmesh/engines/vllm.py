@@ -70,6 +70,7 @@ from genmesh.shared.frames import Finish, TopLogprobs
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
+    from genmesh.shared.micro import MicroService
     from genmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -656,7 +657,9 @@ class VllmEngine(HttpEngineBase):
     # The decode needs the prefill's reply (its kv_transfer_params): one after the other.
     pd_concurrent = False
 
-    async def pd_attach(self, nc: Client, subjects: Subjects, worker_id: str) -> None:
+    async def pd_attach(
+        self, nc: Client, subjects: Subjects, worker_id: str, micro: MicroService | None = None
+    ) -> None:
         """Nothing to attach: the servers move the KV between themselves (NIXL)."""
 
     def pd_card(self) -> dict[str, Any]:

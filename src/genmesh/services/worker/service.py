@@ -189,7 +189,7 @@ class Worker(Service):
                 )
             stack.push_async_callback(self._tasks.close)
             if pd is not None:
-                await pd.pd_attach(self.nc, self.subjects, self.worker_id)
+                await pd.pd_attach(self.nc, self.subjects, self.worker_id, self.micro)
             if pd is not None and self.config.role == ROLE_DECODE:
                 self.pd_decoder = PdDecoder(self.nc, self.subjects, pd)
                 await self.pd_decoder.start()
