@@ -26,7 +26,7 @@ from genmesh.shared.tasks import wait_event
 from genmesh.status.config import StatusConfig
 from genmesh.status.render import render
 from genmesh.status.srv import QUIET_S, survey
-from genmesh.status.view import Departures, MeshView, build
+from genmesh.status.view import DRAINING, WORKER, Departures, MeshView, build
 
 # Exit status of a look at which nothing answered (2 is a bad option or NATS unreachable).
 NOTHING_ANSWERS = 1
@@ -50,13 +50,16 @@ async def run_status(config: StatusConfig, out: TextIO = sys.stdout) -> int:
 
         async def look() -> MeshView:
             found, _ = await asyncio.gather(survey(nc, config.timeout_s), asyncio.sleep(QUIET_S))
-            return build(
+            view = build(
                 directory,
                 found,
                 namespace=config.mesh.namespace,
                 nats_url=redact(config.mesh.nats_url),
                 draining=draining,
             )
+            # Only those still draining are remembered: a long --watch keeps no more.
+            draining.intersection_update(r.id for r in view.rows[WORKER] if r.health == DRAINING)
+            return view
 
         if config.watch_s is None:
             view = await look()
