@@ -37,6 +37,7 @@ class StatusConfig:
     timeout_s: float = option(
         1.0,
         flag="--timeout",
+        env=None,  # GENMESH_TIMEOUT is `genmesh request`'s idle timeout, a minute
         parse=positive_float,
         help="seconds to wait for the first $SRV answer; then answers are gathered until "
         "0.3 s pass without one, as the NATS CLI does",
