@@ -13,6 +13,8 @@ import jsonschema
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from genmesh.shared.bus import is_no_responders
+
 SCHEMAS = Path(__file__).parent / "micro_schemas"
 # The quiet interval that ends a gathering: the NATS CLI waits about as long for more
 # services after the last answer.
@@ -45,6 +47,8 @@ async def gather(nc: Client, subject: str, *, kind: str, namespace: str) -> list
                 msg = await asyncio.wait_for(replies.get(), QUIET_S if answers else FIRST_S)
             except TimeoutError:
                 break
+            if is_no_responders(msg):  # the server's: nobody answers that subject
+                continue
             answer = json.loads(msg.data)
             jsonschema.validate(answer, schema(kind), format_checker=jsonschema.FormatChecker())
             answers.append(answer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -21,11 +22,13 @@ from genmesh import __version__
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
+from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
 from tests.conftest import unique_namespace
 from tests.http_util import post
 from tests.inproc import InProcessMesh, start_inproc_mesh
 from tests.srv import QUIET_S, by_role, endpoint, gather
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.inproc
 
@@ -253,3 +256,60 @@ async def test_a_prefill_decode_pair_lists_its_kv_endpoints(nc: Client, nats_url
         assert counts["decode"]["kv_pull"] == (0, 0)
     finally:
         mesh.stop()
+
+
+async def test_srv_answers_again_after_a_reconnect(
+    nc: Client, nats_url: str, empty_mesh: InProcessMesh
+) -> None:
+    """A worker whose NATS connection is cut answers `$SRV` again once it is back: the
+    same instance, its counts kept."""
+    proxy = TcpProxy(int(nats_url.rsplit(":", 1)[1])).start()
+    try:
+        empty_mesh.add_worker("w1", wait=False, extra_args=("--nats-url", proxy.url))
+        ns = empty_mesh.namespace
+        await nc.request(Subjects(ns).worker_ping("w1"), b"", timeout=5)  # subscribed by now
+        (before,) = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+        assert endpoint(before, "ping")["num_requests"] == 1
+        proxy.cut()
+        assert await gather(nc, "$SRV.PING", kind="ping", namespace=ns) == []
+        proxy.restore()
+        for _ in range(50):
+            back = await gather(nc, "$SRV.STATS.genmesh", kind="stats", namespace=ns)
+            if back:
+                break
+        (after,) = back
+        assert after["id"] == before["id"]
+        assert endpoint(after, "ping")["num_requests"] == 1
+    finally:
+        proxy.close()
+
+
+async def test_a_user_that_may_not_answer_srv_still_serves(tmp_path: Path) -> None:
+    """Permissions written before `$SRV` (no `$SRV` subscriptions): the worker starts and
+    serves as it did, unlisted, and says why in its log."""
+    conf = tmp_path / "legacy.conf"
+    conf.write_text(
+        "authorization { users = [\n"
+        '  {user: legacy, password: pw, permissions: {subscribe: {deny: ["$SRV.>"]}}}\n'
+        "] }\n"
+    )
+    server = NatsServer(config_file=str(conf))
+    server.start()
+    mesh = InProcessMesh(server.url, unique_namespace("legacy"))
+    try:
+        worker = mesh.add_worker(
+            "w1", wait=False, extra_args=("--nats-user", "legacy", "--nats-password", "pw")
+        )
+        nc = await nats.connect(server.url, user="legacy", password="pw")
+        try:
+            alive = await nc.request(Subjects(mesh.namespace).worker_ping("w1"), b"", timeout=5)
+            assert alive.data == b""
+            assert await gather(nc, "$SRV.PING", kind="ping", namespace=mesh.namespace) == []
+        finally:
+            await nc.close()
+        assert "not answering $SRV (NATS micro): the NATS server refused a subscription to" in (
+            worker.log()
+        )
+    finally:
+        mesh.stop()
+        server.stop()

@@ -36,7 +36,7 @@ from nats.micro.service import (
 from nats.nuid import NUID
 
 from genmesh import __version__
-from genmesh.shared.bus import check_subscriptions, unsubscribe_quietly
+from genmesh.shared.bus import NatsPermissionDenied, check_subscriptions, unsubscribe_quietly
 from genmesh.shared.lifecycle import Service
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 # Every genmesh process is an instance of one service; `role` in its metadata tells them
 # apart (a namespace too: `namespace`).
 SERVICE_NAME = "genmesh"
+
+# A `last_error` keeps at most this many characters (docs/limits.md): error messages may
+# quote what a client sent, and a STATS answer must stay small.
+MAX_LAST_ERROR = 256
 
 Callback = Callable[[Msg], Awaitable[None]]
 
@@ -103,7 +107,7 @@ class MicroEndpoint:
 
     def failed(self, error: str) -> None:
         self.num_errors += 1
-        self.last_error = error
+        self.last_error = error[:MAX_LAST_ERROR]
 
     def counted(self, callback: Callback) -> Callback:
         """`callback`, counted here: every message a request, a raise an error."""
@@ -168,6 +172,8 @@ class MicroService(Service):
         return endpoint
 
     async def start(self) -> None:
+        """Subscribe to the control subjects. A NATS user that may not (permissions from
+        before `$SRV`) leaves the process serving as it did, unlisted: a warning says so."""
         answers = {
             ServiceVerb.PING: self._answer(self.ping),
             ServiceVerb.INFO: self._answer(self.info),
@@ -179,6 +185,9 @@ class MicroService(Service):
                     subject = control_subject(verb, name=name, id=sid)
                     self._subs.append(await self.nc.subscribe(subject, cb=answer))
             await check_subscriptions(self.nc, *self._subs)
+        except NatsPermissionDenied as exc:
+            log.warning("not answering $SRV (NATS micro): %s", exc)
+            await self.stop()
         except BaseException:
             await self.stop()
             raise
