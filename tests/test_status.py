@@ -208,7 +208,8 @@ async def test_a_process_known_to_one_side_only_is_flagged(
         assert (wsrv["inflight"], wsrv["card_age_s"]) == (None, None)
         assert shown["notes"] == [
             "no_card: answers $SRV, but announces no card (engine down, or starting or stopping)",
-            "no_srv: in discovery, but does not answer $SRV (hung, or a genmesh without $SRV)",
+            "no_srv: in discovery, but does not answer $SRV (hung, its NATS user may not "
+            "answer $SRV, or a genmesh without it)",
         ]
 
         # A worker that leaves to drain, still answering $SRV, is draining.

@@ -2,8 +2,8 @@
 directory and the `$SRV` services of the namespace, matched by id, each with its health.
 
 A process is `up` when discovery and `$SRV` both know it. One known to only one of them is
-flagged: `no_srv` (its card is fresh, yet it does not answer `$SRV`: hung, or a genmesh
-without `$SRV`), `no_card` (it answers `$SRV` but announces nothing: a worker whose engine
+flagged: `no_srv` (its card is fresh, yet it does not answer `$SRV`: hung, its NATS user
+may not answer `$SRV`, or a genmesh without it), `no_card` (it answers `$SRV` but announces nothing: a worker whose engine
 is down, or a process starting or stopping) or `draining` (a worker that left discovery to
 drain: it finishes what it runs and takes nothing new). Frontends announce no card: `$SRV`
 alone lists them, `up` while they answer. With `--watch`, a process that was listed and is
@@ -27,7 +27,8 @@ KINDS = (ROUTER, WORKER, FRONTEND)
 
 # What each health but `up` means, for the notes under the tables.
 HEALTH_NOTES = {
-    NO_SRV: "in discovery, but does not answer $SRV (hung, or a genmesh without $SRV)",
+    NO_SRV: "in discovery, but does not answer $SRV (hung, its NATS user may not answer "
+    "$SRV, or a genmesh without it)",
     NO_CARD: "answers $SRV, but announces no card (engine down, or starting or stopping)",
     DRAINING: "left discovery to drain: finishes what it runs, takes nothing new",
     GONE: "left, or its card expired, and no longer answers $SRV",
