@@ -3,9 +3,10 @@ directory and the `$SRV` services of the namespace, matched by id, each with its
 
 A process is `up` when discovery and `$SRV` both know it. One known to only one of them is
 flagged: `no_srv` (its card is fresh, yet it does not answer `$SRV`: hung, its NATS user
-may not answer `$SRV`, or a genmesh without it), `no_card` (it answers `$SRV` but announces nothing: a worker whose engine
-is down, or a process starting or stopping) or `draining` (a worker that left discovery to
-drain: it finishes what it runs and takes nothing new). Frontends announce no card: `$SRV`
+may not answer `$SRV`, or a genmesh without it), `no_card` (it answers `$SRV` but
+announces nothing: a worker whose engine is down, or a process starting or stopping) or
+`draining` (a worker that left discovery to drain: it finishes what it runs and takes
+nothing new). Frontends announce no card: `$SRV`
 alone lists them, `up` while they answer. With `--watch`, a process that was listed and is
 no longer known to either (it left, or its card expired) is `gone`, for `GONE_KEPT_S`.
 """
