@@ -720,6 +720,31 @@ async def test_every_role_answers_srv_to_the_admin_user(
 
 
 @pytest.mark.process
+async def test_genmesh_status_as_the_admin_user_and_refused_to_a_client(
+    secured_mesh: Mesh, secured_server: NatsServer
+) -> None:
+    """`genmesh status` takes the credentials every command takes: as the admin user it
+    sees the whole secured mesh up; a client user, which may not watch discovery, gets
+    the one-line refusal and exit status 2."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GENMESH_")}
+    args = [sys.executable, "-m", "genmesh", "status", "--nats-url", secured_server.url,
+            "--namespace", secured_mesh.namespace, "--json"]  # fmt: skip
+    done = await asyncio.to_thread(run_quietly, args, base | role_env("admin"))
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    healths = [row["health"] for kind in ("routers", "workers", "frontends") for row in shown[kind]]
+    assert healths == ["up"] * 5, shown
+    refused = await asyncio.to_thread(run_quietly, args, base | role_env("client"))
+    assert refused.returncode == 2
+    assert refused.stdout == ""
+    assert refused.stderr == (
+        f'genmesh: the NATS server refused a subscription to "genmesh.{secured_mesh.namespace}'
+        '.discovery.>": this NATS user may not subscribe there (check --nats-user and, for '
+        "reply inboxes, --nats-inbox-prefix; docs/deploy.md)\n"
+    )
+
+
+@pytest.mark.process
 async def test_a_pd_mesh_pairs_with_each_roles_credentials(
     secured_server: NatsServer, tmp_path: Path
 ) -> None:

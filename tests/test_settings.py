@@ -40,6 +40,7 @@ from genmesh.shared.settings import (
     to_env,
     variables,
 )
+from genmesh.status.config import StatusConfig
 from genmesh.testkit.config import MockServerConfig, TestkitConfig
 from genmesh.up.config import UpConfig
 from genmesh.up.run import frontend_configs, worker_configs
@@ -124,6 +125,13 @@ EXAMPLES: dict[str, Any] = {
         json_out="r.json",
         plot="r.html",
         progress=False,
+    ),
+    "status": StatusConfig(
+        mesh=MeshConnection(MESH.nats_url, MESH.namespace),
+        auth=NatsAuth(user="admin", password_file="/run/pw"),
+        watch_s=0.5,
+        as_json=True,
+        timeout_s=2.5,
     ),
     "trace_check": TraceCheckConfig(files=("a.jsonl", "b.jsonl.gz"), expect=5, as_json=True),
     "trace_replay": TraceReplayConfig(
@@ -245,6 +253,8 @@ def test_a_bad_variable_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) 
          "and at most 3600"),
         (["trace", "replay", "f", "--url", "http://h", "--timeout", "0"],
          "genmesh trace replay: error: argument --timeout: '0' must be a number above 0"),
+        (["status", "--watch", "0"],
+         "genmesh status: error: argument --watch: '0' must be a number above 0"),
     ],
 )  # fmt: skip
 def test_a_bad_flag_is_one_line_naming_the_rule(
@@ -256,6 +266,23 @@ def test_a_bad_flag_is_one_line_naming_the_rule(
     assert exit_.value.code == 2
     prog = error.split(": error:")[0]
     assert capsys.readouterr().err == f"{error} (see {prog} --help)\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "watch_s"),
+    [
+        (["status"], {}, None),
+        (["status", "--watch"], {}, 2.0),  # the flag alone: its `bare` value
+        (["status", "--watch", "5"], {}, 5.0),
+        (["status", "--watch", "--json"], {}, 2.0),
+        (["status"], {"GENMESH_WATCH": "3"}, 3.0),
+        (["status", "--watch"], {"GENMESH_WATCH": "3"}, 2.0),  # a flag wins over its variable
+    ],
+)
+def test_an_option_may_take_its_value_optionally(
+    argv: list[str], environ: dict[str, str], watch_s: float | None
+) -> None:
+    assert parse_command(argv, environ=environ)[1].watch_s == watch_s
 
 
 def test_a_bad_variable_names_the_rule(capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,6 +105,14 @@ COMMANDS: dict[str, Command] = {
         "  genmesh bench --url http://gpu1:30000 --input-len 1024 --input-len-range 0.5 "
         "--prefix-groups 8 --prefix-len 512 --stream --json-out run.json --plot run.html",
     ),
+    "status": Command(
+        "show the mesh: routers, workers (engine, role, load, health) and frontends",
+        "genmesh.status.config:StatusConfig",
+        "Show the mesh of a namespace as it is, from discovery (worker cards, router "
+        "presence) and from the NATS micro services every genmesh process runs ($SRV): "
+        "each process with its health, load and card age. Once, or redrawn with --watch. "
+        "Exits 0 if anything answered, 1 if nothing did, 2 if NATS cannot be reached.",
+    ),
     "request": Command(
         "send one request over NATS and print the reply frames as JSON lines",
         "genmesh.commands:RequestConfig",

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from genmesh.services.router.config import RouterConfig
     from genmesh.services.worker.config import WorkerProcessConfig
     from genmesh.shared.envelope import Envelope
+    from genmesh.status.config import StatusConfig
     from genmesh.testkit.config import TestkitConfig
     from genmesh.up.config import UpConfig
 
@@ -171,6 +172,19 @@ def cmd_up(config: UpConfig) -> int:
     from genmesh.up.run import run_up
 
     return run_up(config)
+
+
+def cmd_status(config: StatusConfig) -> int:
+    from genmesh.shared.bus import NatsPermissionDenied, NatsUnreachable
+    from genmesh.shared.lifecycle import configure_logging
+    from genmesh.status.run import run_status
+
+    # Its tables say what the directory's log lines would (a worker joined, expired).
+    configure_logging("error", "status")
+    try:
+        return asyncio.run(run_status(config))
+    except (NatsUnreachable, NatsAuthError, NatsPermissionDenied) as exc:
+        return _fail(str(exc))
 
 
 @dataclass(frozen=True, slots=True)

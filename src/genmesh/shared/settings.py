@@ -22,6 +22,8 @@ process (`to_argv`, `to_env`). The rules, as `genmesh` has always had them:
 - a `tuple` option with `repeat=True` takes its flag once per value; its variable is
   comma-separated;
 - a `short` alias (`-n` for `--requests`) is taken as the flag, on the command line only;
+- an option with a `bare` value may be given as its flag alone, which means that value
+  (`--watch` is `--watch 2`);
 - a `secret` never shows its value in --help and never goes on a command line (`to_argv`
   refuses it; `to_env` is how it travels);
 - a field with a `default_factory` (a random id) is made anew by every parse that is not
@@ -78,6 +80,7 @@ class Option:
     repeat: bool = False
     positional: bool = False
     metavar: str | None = None
+    bare: Any = None  # the value of the flag given alone (None: the flag takes a value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,7 @@ def option(
     repeat: bool = False,
     positional: bool = False,
     metavar: str | None = None,
+    bare: Any = None,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A dataclass field that is also an option (see the module's docstring)."""
@@ -118,6 +122,7 @@ def option(
         repeat=repeat,
         positional=positional,
         metavar=metavar,
+        bare=bare,
     )
     if default_factory is not None:
         return field(default_factory=default_factory, metadata={_KEY: declared})
@@ -475,6 +480,8 @@ class ConfigOptions:
                 dest=spec.dest,
                 type=_argparse_type(spec.parse),
                 action="append" if spec.kind == "list" else "store",
+                nargs=None if declared.bare is None else "?",
+                const=declared.bare,
                 default=None if value is MISSING or spec.kind == "list" else value,
                 choices=declared.choices,
                 required=value is MISSING and spec.factory is None,
