@@ -4,22 +4,17 @@ of its type (tests/micro_schemas/, from nats-io/jsm.go)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
-from genmesh.shared.bus import is_no_responders
+from genmesh.status.srv import gather as gather_payloads
 
 SCHEMAS = Path(__file__).parent / "micro_schemas"
-# The quiet interval that ends a gathering: the NATS CLI waits about as long for more
-# services after the last answer.
-QUIET_S = 0.3
-# How long to wait for the first answer.
+# How long a gathering may take (the first answer is awaited up to that).
 FIRST_S = 3.0
 
 
@@ -29,31 +24,13 @@ def schema(kind: str) -> dict[str, Any]:
 
 
 async def gather(nc: Client, subject: str, *, kind: str, namespace: str) -> list[dict[str, Any]]:
-    """Every answer to one request on `subject` until none came for QUIET_S, each valid
-    under the CLI's schema for `kind` (`ping`, `info`, `stats`); those of `namespace`'s
-    mesh (a test server hosts other tests' meshes too, which answer `$SRV.PING` as well)."""
-    replies: asyncio.Queue[Msg] = asyncio.Queue()
-
-    async def on_reply(msg: Msg) -> None:
-        replies.put_nowait(msg)
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_reply)
-    answers = []
-    try:
-        await nc.publish(subject, b"", reply=inbox)
-        while True:
-            try:
-                msg = await asyncio.wait_for(replies.get(), QUIET_S if answers else FIRST_S)
-            except TimeoutError:
-                break
-            if is_no_responders(msg):  # the server's: nobody answers that subject
-                continue
-            answer = json.loads(msg.data)
-            jsonschema.validate(answer, schema(kind), format_checker=jsonschema.FormatChecker())
-            answers.append(answer)
-    finally:
-        await sub.unsubscribe()
+    """Every answer to one request on `subject`, gathered as the CLI gathers them
+    (`genmesh status` does the same: `status.srv.gather`), each valid under the CLI's
+    schema for `kind` (`ping`, `info`, `stats`); those of `namespace`'s mesh (a test
+    server hosts other tests' meshes too, which answer `$SRV.PING` as well)."""
+    answers = [json.loads(data) for data in await gather_payloads(nc, subject, FIRST_S)]
+    for answer in answers:
+        jsonschema.validate(answer, schema(kind), format_checker=jsonschema.FormatChecker())
     return [a for a in answers if (a.get("metadata") or {}).get("namespace") == namespace]
 
 

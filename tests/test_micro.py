@@ -24,10 +24,11 @@ from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
+from genmesh.status.srv import QUIET_S
 from tests.conftest import unique_namespace
 from tests.http_util import post
 from tests.inproc import InProcessMesh, start_inproc_mesh
-from tests.srv import QUIET_S, by_role, endpoint, gather
+from tests.srv import by_role, endpoint, gather
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.inproc
