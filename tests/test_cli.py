@@ -102,6 +102,22 @@ def test_up_runs_the_mesh_and_stops_everything_on_ctrl_c(tmp_path: Path, termina
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert len(json.load(resp)["output_ids"]) == 3
 
+        if not terminal:  # the `genmesh status` line it suggests, as printed, sees the mesh
+            (status,) = [line.split() for line in text.splitlines() if "genmesh status" in line]
+            out = subprocess.run(
+                [*GENMESH, *status[1:], "--json"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=clean_env(),
+            )
+            assert out.returncode == 0, out.stderr
+            seen = json.loads(out.stdout)
+            assert [len(seen[kind]) for kind in ("routers", "workers", "frontends")] == [2, 2, 1]
+            assert {
+                row["health"] for kind in ("routers", "workers", "frontends") for row in seen[kind]
+            } == {"up"}
+
         if terminal:
             os.killpg(proc.pid, signal.SIGINT)
         else:

@@ -276,6 +276,8 @@ def _print_summary(config: UpConfig, nats_url: str, supervisor: Supervisor, http
         "Try:",
         f"  curl -s {http_url}/generate -d "
         '\'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}\'',
+        f"  genmesh status --nats-url {redact(nats_url)} --namespace {config.mesh.namespace}",
+        f"  genmesh bench --url {http_url} --stream -n 1000 -c 16",
         "Ctrl-C stops everything.",
     ]
     print("\n".join(lines), flush=True)
