@@ -532,10 +532,11 @@ TOKENS = 4
 PROMPT = list(range(1, 65))  # four blocks of 16: cached where it ran before
 
 
-async def traffic(mesh: InProcessMesh) -> None:
+async def traffic(mesh: InProcessMesh, decode: str) -> None:
     """Requests that make every series appear: through the frontend (unary, SSE, vLLM,
-    one refused; one prompt three times, for a prefix cache hit), and one over NATS
-    through the router."""
+    one refused; one prompt three times, for a prefix cache hit), and two over NATS
+    through the router, the second pinned to the decode worker `decode`, which the
+    router pairs with the prefill worker (a disaggregated request)."""
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": TOKENS}}
     for _ in range(2):
         reply = await post(mesh.http_url + "/generate", body)
@@ -550,7 +551,10 @@ async def traffic(mesh: InProcessMesh) -> None:
     assert refused.status == 400
     async with await MeshClient.connect(mesh.nats_url, mesh.namespace) as client:
         frames = [f async for f in client.generate(request([1, 2, 3], max_tokens=TOKENS))]
-    assert frames[-1]["t"] == "end", frames[-1]
+        assert frames[-1]["t"] == "end", frames[-1]
+        pinned = request(PROMPT, max_tokens=TOKENS, worker=decode)
+        frames = [f async for f in client.generate(pinned)]
+        assert frames[-1]["t"] == "end", frames[-1]
 
 
 async def scrape(url: str) -> str:
@@ -559,37 +563,58 @@ async def scrape(url: str) -> str:
         return await answer.text()
 
 
-def total(text: str, name: str) -> float:
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics page's samples named `name` (with these label values)."""
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == name
+        if sample.name == name and labels.items() <= sample.labels.items()
     )
 
 
-def start_mesh(nats_url: str) -> tuple[InProcessMesh, list[str]]:
-    """A mesh like compose's (the frontend routes its own requests; a router and two
-    workers serve metrics ports), with the kv policy and the mocks' prefix caches on so
-    that the KV series exist too. Returns it and the URL of every /metrics."""
+# The workers of the live mesh: compose's two plain ones, and its `pd` profile's pair.
+WORKER_ROLES = {"worker-1": "", "worker-2": "", "prefill": "prefill", "decode": "decode"}
+
+
+def start_mesh(nats_url: str) -> tuple[InProcessMesh, dict[str, str]]:
+    """A mesh like compose's with its `pd` profile (the frontend routes its own requests;
+    a router, two workers and a prefill + decode pair serve metrics ports), with the kv
+    policy and the mocks' prefix caches on so that the KV series exist too. Returns it
+    and the URL of every /metrics by service ("frontend", "router", WORKER_ROLES' keys);
+    the decode worker's id is its service name."""
     mesh = InProcessMesh(nats_url, unique_namespace("monitoring"))
-    ports = [free_port() for _ in range(3)]
+    ports = {name: free_port() for name in ["router", *WORKER_ROLES]}
     try:
-        mesh.add_router("least_loaded", extra_args=("--metrics-port", str(ports[0])))
-        workers = [
-            mesh.add_worker(
-                wait=False, extra_args=("--metrics-port", str(port), "--mock-kv-blocks", "64")
-            ).name
-            for port in ports[1:]
-        ]
+        mesh.add_router("least_loaded", extra_args=("--metrics-port", str(ports["router"])))
+        for name, role in WORKER_ROLES.items():
+            args = ("--metrics-port", str(ports[name]), "--mock-kv-blocks", "64")
+            mesh.add_worker(name, wait=False, extra_args=(*args, "--role", role) if role else args)
         mesh.add_frontend("--router-policy", "kv")
-        mesh.wait_for_workers(lambda ids: set(workers) <= ids, what="the workers")
+        mesh.wait_for_workers(lambda ids: set(WORKER_ROLES) <= ids, what="the workers")
     except BaseException:
         print(mesh.logs())
         mesh.stop()
         raise
-    urls = [mesh.http_url + "/metrics"] + [f"http://127.0.0.1:{p}/metrics" for p in ports]
-    return mesh, urls
+    urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+    return mesh, {"frontend": mesh.http_url + "/metrics", **urls}
+
+
+def unexported(series: dict[str, set[str]], queries: list[tuple[str, str, str]]) -> list[str]:
+    """What `queries` (as `expressions()` gives them) read that `series` (name -> labels)
+    does not have: a metric nothing exports, or a label none of its metrics carries."""
+    problems = []
+    for title, expr, legend in queries:
+        names, labels = queried(expr)
+        missing = names - set(series)
+        if missing:
+            problems.append(f"{title}: nothing exports {sorted(missing)}")
+            continue
+        available = set().union(*(series[n] for n in names)) | TARGET_LABELS
+        labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+        if not labels <= available:
+            problems.append(f"{title}: {expr} reads {sorted(labels - available)}")
+    return problems
 
 
 @pytest.mark.inproc
@@ -600,28 +625,38 @@ async def test_every_metric_and_label_a_panel_queries_exists(
     exporter's series: each name a panel queries is among them, with each label it reads."""
     mesh, urls = await asyncio.to_thread(start_mesh, nats_url)
     try:
-        await traffic(mesh)
-        pages = [await scrape(url) for url in urls]
+        await traffic(mesh, decode="decode")
+        pages = {name: await scrape(url) for name, url in urls.items()}
     except BaseException:
         print(mesh.logs())
         raise
     finally:
         await asyncio.to_thread(mesh.stop)
 
-    # The hit ratio's numerator is fed: of three identical prompts on two workers, one
-    # found its blocks cached (the mock reports cached_tokens as SGLang does).
-    assert total(pages[0], "genmesh_frontend_cached_tokens_total") >= len(PROMPT) - 16
+    # The hit ratio's numerator is fed: of three identical prompts on the workers the
+    # frontend routes to, one found its blocks cached (the mock reports cached_tokens as
+    # SGLang does).
+    assert total(pages["frontend"], "genmesh_frontend_cached_tokens_total") >= len(PROMPT) - 16
+    # The P/D panels' series are fed: the router paired the pinned request with the
+    # prefill worker, which ran its prefill stage; the decode worker timed the handoff.
+    assert total(pages["router"], "genmesh_pd_routed_total", path="disaggregated") >= 1
+    assert total(pages["prefill"], "genmesh_pd_stages_total", outcome="completed") >= 1
+    assert total(pages["decode"], "genmesh_pd_transfer_seconds_count") >= 1
     series = {**nats_exporter_series, **PROMETHEUS_SERIES}
-    for page in pages:
+    for page in pages.values():
         for name, labels in exported(page).items():
             series.setdefault(name, set()).update(labels)
-    checked = set()
-    for title, expr, legend in expressions():
-        names, labels = queried(expr)
-        missing = names - set(series)
-        assert not missing, f"{title}: nothing exports {sorted(missing)}"
-        available = set().union(*(series[n] for n in names)) | TARGET_LABELS
-        labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
-        assert labels <= available, f"{title}: {expr} reads {sorted(labels - available)}"
-        checked |= names
+    assert unexported(series, expressions()) == []
+    checked = set().union(*(queried(expr)[0] for _, expr, _ in expressions()))
     assert {"genmesh_kv_index_blocks", "gnatsd_varz_in_msgs", "up"} <= checked
+
+    # The same check refuses a misspelt metric, and a label that another metric carries
+    # (genmesh_pd_routed_total's `path`) but the one queried does not.
+    misspelt = [
+        ("transfer", "sum(rate(genmesh_pd_transfer_second_bucket[20s]))", ""),
+        ("stages", "sum by (path) (rate(genmesh_pd_stages_total[20s]))", "{{outcome}}"),
+    ]
+    assert unexported(series, misspelt) == [
+        "transfer: nothing exports ['genmesh_pd_transfer_second_bucket']",
+        "stages: sum by (path) (rate(genmesh_pd_stages_total[20s])) reads ['path']",
+    ]
