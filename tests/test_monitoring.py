@@ -649,6 +649,12 @@ async def test_every_metric_and_label_a_panel_queries_exists(
     assert unexported(series, expressions()) == []
     checked = set().union(*(queried(expr)[0] for _, expr, _ in expressions()))
     assert {"genmesh_kv_index_blocks", "gnatsd_varz_in_msgs", "up"} <= checked
+    assert {
+        "genmesh_pd_routed_total",
+        "genmesh_pd_transfer_seconds_bucket",
+        "genmesh_pd_stages_total",
+        "genmesh_pd_experts_omitted_total",
+    } <= checked
 
     # The same check refuses a misspelt metric, and a label that another metric carries
     # (genmesh_pd_routed_total's `path`) but the one queried does not.
