@@ -4,11 +4,16 @@ SGLang's stream modes), its workload's bodies, its refusals and its error counts
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +28,18 @@ from genmesh.bench.plot import MISSING_EXTRA
 from genmesh.bench.workload import Workload
 from genmesh.formats.sglang.schema import validate_body
 from genmesh.formats.vllm.schema import GenerateRequest
+from genmesh.shared.lifecycle import stop_signals
+from genmesh.shared.loop import run
 from genmesh.shared.settings import parse
 from genmesh.testkit.common import serving
 from genmesh.testkit.config import MockServerConfig
 from genmesh.testkit.sglang import build_app as sglang_app
 from genmesh.testkit.vllm import build_app as vllm_app
 from genmesh.testkit.vllm.app import Profile
+from tests.conftest import SHARED_WORKERS
 from tests.inproc import InProcessMesh
+from tests.mesh import wait_until
+from tests.test_mesh_behaviour import card
 
 # The shared mesh's mock workers know 1000 token ids (tests/conftest.py SHARED_WORKERS).
 VOCAB = "1000"
@@ -406,3 +416,119 @@ def test_the_command_prints_its_table_on_stdout_and_progress_on_stderr(
     assert "bench" in done.stderr
     assert "20/20" in done.stderr
     assert "errors 0" in done.stderr
+
+
+def _frontend_answers(mesh: InProcessMesh, status: str) -> float:
+    """Generate requests the frontend finished with `status` (its /metrics)."""
+    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("genmesh_frontend_requests_total{") and f'status="{status}"' in line
+    )
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    ("stop", "loop"),
+    [
+        (signal.SIGINT, ("-c", "4")),
+        (signal.SIGTERM, ("--request-rate", "50", "--max-concurrency", "4")),
+    ],
+)
+def test_a_stopped_run_reports_what_completed_and_exits_130(
+    empty_mesh: InProcessMesh, tmp_path: Path, stop: signal.Signals, loop: tuple[str, ...]
+) -> None:
+    """Ctrl-C (or SIGTERM) in the middle of a run against a slow mock: the requests in
+    flight are cancelled (the worker sees them go) and counted as cut off, not as errors;
+    the table, the JSON file and the plot hold the requests that completed."""
+    empty_mesh.add_router()
+    empty_mesh.add_frontend()
+    # The timing model in real time, with the shared mesh's vocabulary (tests/conftest.py).
+    worker = empty_mesh.add_worker(speedup=1.0, **SHARED_WORKERS)
+    out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "genmesh", "bench", "--url", empty_mesh.http_url),
+            *("--stream", "-n", "1000", *loop, "--output-len", "64", "--vocab-size", "1000"),
+            *("--json-out", str(out_json), "--plot", str(out_png)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: _frontend_answers(empty_mesh, "200") >= 3, timeout=60)
+        proc.send_signal(stop)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    summary = _read(out_json)["summary"]
+    assert summary["stopped"] is True
+    assert summary["completed"] >= 3
+    assert summary["errors"] == {}
+    assert summary["requests"] == summary["completed"]  # the cut off are not records
+    if "-c" in loop:
+        assert summary["cut_off"] == 4  # a closed loop always has its 4 clients in flight
+    else:
+        assert summary["cut_off"] >= 1  # in flight, or arrived and waiting for a slot
+    assert summary["output_tokens"] == summary["completed"] * 64
+    table = " ".join(out.split())
+    assert "TTFT (ms)" in table
+    assert f"{summary['completed']}/{summary['completed']} ok" in table
+    assert f"stopped by a signal: {summary['cut_off']} in flight cut off (not counted)" in table
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Cancelled, not abandoned: the frontend sees each client go (499; in an open loop,
+    # arrivals still waiting for a slot never reached it), and the worker stops them.
+    wait_until(lambda: card(empty_mesh, worker.name)["inflight"] == 0, timeout=20)
+    gone = _frontend_answers(empty_mesh, "499")
+    if "-c" in loop:
+        assert gone == 4
+    else:
+        assert 1 <= gone <= min(4, summary["cut_off"])
+
+
+@pytest.mark.unit
+async def test_a_stop_in_the_warm_up_measures_nothing() -> None:
+    """Stopped before the measured phase began: an empty, stopped phase (warm-up requests
+    are never the measured phase's, not even as cut off)."""
+    app = sglang_app(MockServerConfig(token_delay_ms=20.0))
+    async with serving(app) as url:
+        config = parse(BenchConfig, ["--url", url, "--stream", "--warmup", "50", "-c", "2"])
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        _, phase, summary = await bench(config, stop)
+    assert (phase.records, phase.stopped, phase.cut_off) == ([], True, 0)
+    assert (summary.requests, summary.stopped, summary.cut_off) == (0, True, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_second_stop_signal_interrupts_at_once(event_loop: str) -> None:
+    """The first signal sets the stop; the second, while that stop is still under way,
+    raises KeyboardInterrupt out of the loop (either loop: the bench runs on uvloop), whose
+    tasks are cancelled; then Ctrl-C is Python's again."""
+    events: list[str] = []
+
+    async def stopping_slowly() -> None:
+        async with stop_signals(insist=True) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            await stop.wait()
+            events.append("stopping")
+            os.kill(os.getpid(), signal.SIGINT)
+            try:
+                await asyncio.sleep(30)  # a clean stop that takes long
+            finally:
+                events.append("cancelled")
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run(stopping_slowly(), event_loop)
+    assert events == ["stopping", "cancelled"]
+    assert time.monotonic() - started < 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

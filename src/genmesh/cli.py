@@ -104,12 +104,13 @@ def parse_command(argv: Sequence[str], environ: Mapping[str, str] | None = None)
 def main(argv: Sequence[str] | None = None) -> int:
     name, config = parse_command(sys.argv[1:] if argv is None else argv)
     from genmesh import commands
+    from genmesh.shared.lifecycle import STOPPED_BY_SIGNAL
 
     handler: Callable[[Any], int] = getattr(commands, f"cmd_{name}")
     try:
         return handler(config)
     except KeyboardInterrupt:
-        return commands.STOPPED_BY_SIGNAL
+        return STOPPED_BY_SIGNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -96,8 +96,10 @@ COMMANDS: dict[str, Command] = {
         "time to first token, inter-token latency, end to end, throughput and errors. "
         "Closed loop (--concurrency) or open loop (--request-rate, Poisson), prompt and "
         "output lengths fixed or sampled, shared-prefix groups, SSE (--stream) or unary. "
-        "Exits 0 when every measured request succeeded, 1 when some failed "
-        "(docs/bench.md).",
+        "Exits 0 when every measured request succeeded, 1 when some failed, 130 when "
+        "Ctrl-C or SIGTERM stopped it: the requests in flight are cut off, and the table, "
+        "--json-out and --plot show those that completed (a second Ctrl-C exits at once; "
+        "docs/bench.md).",
         epilog="examples:\n"
         "  genmesh bench --url http://127.0.0.1:8000 --stream -n 2000 -c 32\n"
         "  genmesh bench --url http://127.0.0.1:8000 --format vllm --request-rate 50 "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from genmesh.shared.connection import MeshConnection
 from genmesh.shared.credentials import NatsAuth, NatsAuthError, nats_auth_group
+from genmesh.shared.lifecycle import STOPPED_BY_SIGNAL
 from genmesh.shared.natsserver import NatsServer, NatsServerConfig, NatsServerError
 from genmesh.shared.settings import (
     group,
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
     from genmesh.status.config import StatusConfig
     from genmesh.testkit.config import TestkitConfig
     from genmesh.up.config import UpConfig
-
-
-# The exit status of a command stopped by Ctrl-C or SIGTERM, as a shell reports SIGINT.
-STOPPED_BY_SIGNAL = 130
 
 
 def _fail(message: str) -> int:

@@ -87,6 +87,11 @@ def table(config: BenchConfig, url: str, summary: Summary) -> Table:
         f"errors: {errors}"
         + (f"  (short outputs: {summary.short})" if summary.short else "")
         + f"\nload generator CPU: {summary.client_cpu_ms_per_request:.3f} ms per request"
+        + (
+            f"\nstopped by a signal: {summary.cut_off} in flight cut off (not counted)"
+            if summary.stopped
+            else ""
+        )
     )
     out = Table(
         title=f"genmesh bench: {url}\n{config.format}, {mode}, {loop}",

@@ -15,10 +15,12 @@ ends. Open loop: requests arrive at `--request-rate` with exponential gaps (Pois
 one scheduler, whatever is in flight, each in a task of the loop's TaskGroup; with
 `--max-concurrency` an arrival waits for a free slot and its clock starts when it is sent
 (the time it waited is the server's backlog showing, and it is reported as such: `sent`
-lags `arrived`). Every task is the TaskGroup's, so Ctrl-C (or a failure) cancels them all.
+lags `arrived`). Every task is the TaskGroup's, so a failure cancels them all.
 
 The run ends at `-n` requests or at `--duration` seconds, whichever comes first; requests
-in flight then are awaited and counted.
+in flight then are awaited and counted. Or it is stopped (the `stop` event: Ctrl-C or
+SIGTERM): the loop is cancelled, and with it the TaskGroup's requests in flight, which are
+not records but counted as cut off.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -66,8 +69,10 @@ class Record:
 @dataclass(slots=True)
 class Phase:
     records: list[Record]
-    seconds: float  # from its start to its last answer
+    seconds: float  # from its start to its last answer (or to its stop)
     cpu_seconds: float  # this process's CPU over the phase: what the load generator cost
+    stopped: bool = False  # by the `stop` event, before its end
+    cut_off: int = 0  # requests sent (or arrived) but unanswered when it stopped
 
 
 class Target:
@@ -207,15 +212,30 @@ async def open_loop(
             group.create_task(one(request, time.perf_counter() - requests.start))
 
 
+async def unless_stopped(sending: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run `sending` to its end, or until `stop` is set: then cancel it, and with it every
+    task of its TaskGroup. True if it was stopped."""
+    async with asyncio.TaskGroup() as group:
+        working = group.create_task(sending)
+        stopping = group.create_task(stop.wait())
+        await asyncio.wait((working, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopped = not working.done()
+        working.cancel()
+        stopping.cancel()
+    return stopped
+
+
 async def run_phase(
     config: BenchConfig,
     session: aiohttp.ClientSession,
     workload: Workload,
     count: int | None,
     done: Done,
+    stop: asyncio.Event,
     measured: bool = True,
 ) -> Phase:
-    """One phase: the warm-up (closed loop, `count` requests) or the measured run."""
+    """One phase: the warm-up (closed loop, `count` requests) or the measured run, until
+    its end or `stop`."""
     records: list[Record] = []
 
     def record_done(record: Record) -> None:
@@ -228,14 +248,16 @@ async def run_phase(
     requests = Requests(workload, count, seconds)
     if measured and config.request_rate is not None:
         rng = random.Random(f"{config.seed}:arrivals")
-        await open_loop(
+        sending = open_loop(
             target, requests, config.request_rate, config.max_concurrency, rng, record_done
         )
     else:
-        await closed_loop(target, requests, config.concurrency, record_done)
+        sending = closed_loop(target, requests, config.concurrency, record_done)
+    stopped = await unless_stopped(sending, stop)
     elapsed = time.perf_counter() - requests.start
     records.sort(key=lambda r: r.index)
-    return Phase(records, elapsed, time.process_time() - cpu)
+    cut_off = requests.sent - len(records)
+    return Phase(records, elapsed, time.process_time() - cpu, stopped, cut_off)
 
 
 def measured_count(config: BenchConfig) -> int | None:

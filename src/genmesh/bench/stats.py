@@ -3,7 +3,8 @@
 Percentiles interpolate linearly between the two nearest ranks (numpy's default, and
 `../shared/peers/loadgen.py`'s), so the two tools' p50/p99 mean the same thing. Latencies
 count successful requests only; throughput is what succeeded over the phase's wall time
-(first send to last answer).
+(first send to last answer, or to the stop). A stopped phase's requests cut off in flight
+are neither completed nor errors: they are counted apart.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class Summary:
     e2e: Distribution
     tokens: Distribution  # output tokens per completed request
     client_cpu_seconds: float
+    stopped: bool
+    cut_off: int
 
     @property
     def request_rate(self) -> float:
@@ -105,6 +108,8 @@ class Summary:
             "output_tokens_per_request": self.tokens.scaled(1.0),
             "client_cpu_s": round(self.client_cpu_seconds, 4),
             "client_cpu_ms_per_request": round(self.client_cpu_ms_per_request, 4),
+            "stopped": self.stopped,
+            "cut_off": self.cut_off,
         }
 
 
@@ -122,4 +127,6 @@ def summarize(phase: Phase) -> Summary:
         e2e=Distribution.of([r.e2e for r in ok if r.e2e is not None]),
         tokens=Distribution.of([r.output_tokens for r in ok]),
         client_cpu_seconds=phase.cpu_seconds,
+        stopped=phase.stopped,
+        cut_off=phase.cut_off,
     )

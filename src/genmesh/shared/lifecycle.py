@@ -38,20 +38,32 @@ class Service(ABC):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The exit status of a command stopped by Ctrl-C or SIGTERM, as a shell reports SIGINT.
+STOPPED_BY_SIGNAL = 130
 # A frontend's /health names its process, so that frontends sharing a port (SO_REUSEPORT)
 # can be told apart by whoever waits for all of them (`genmesh up --frontends N`).
 PID_HEADER = "X-Genmesh-Pid"
 
 
 @contextlib.asynccontextmanager
-async def stop_signals() -> AsyncIterator[asyncio.Event]:
+async def stop_signals(*, insist: bool = False) -> AsyncIterator[asyncio.Event]:
     """An event set by SIGINT, SIGTERM or SIGHUP (a closed terminal). Enter it before
     announcing readiness, so that a supervisor's early SIGTERM still means a clean stop,
-    not the default instant death."""
+    not the default instant death.
+
+    With `insist`, a signal after the first raises KeyboardInterrupt out of the event loop
+    (whose runner then cancels every task): for a command whose clean stop still has work
+    to do (`genmesh bench` reports what it measured), a second Ctrl-C means now."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if insist and stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         yield stop
     finally:
