@@ -4,7 +4,6 @@ bytes, bodies that are not JSON), and the check of each answer."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from tests.fuzz_kit import JSON_VALUES, TEXT, Campaign, Hostile, hazards, mutated, to_json
+from tests.http_util import raw_exchange
 
 # Statuses a client may get that are documented (protocol.md §7, §9.5): 503 not ready,
 # overloaded, unavailable or no worker; 504 past X-Request-Timeout. Any other 5xx is a bug.
@@ -241,27 +241,19 @@ def _dechunk(data: bytes) -> bytes:
 async def check_http(port: int, case: HttpCase, campaign: Campaign) -> None:
     """Send `case`; its answer must come, be no undocumented 5xx, and an error's body must
     be JSON (both formats answer errors in JSON shapes)."""
+    url = f"http://127.0.0.1:{port}"
+    limit = None if case.disconnect_after is None else case.disconnect_after + 1
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError as exc:
-        campaign.fail(Hostile(), f"cannot connect: {exc}", case)
-        return
-    try:
-        writer.write(case.raw())
-        await writer.drain()
-        if case.disconnect_after is not None:
-            await asyncio.wait_for(reader.read(case.disconnect_after + 1), ANSWER_TIMEOUT_S)
-            campaign.outcomes["disconnected"] += 1
-            return
-        data = await asyncio.wait_for(reader.read(), ANSWER_TIMEOUT_S)
+        data = await raw_exchange(url, case.raw(), timeout=ANSWER_TIMEOUT_S, limit=limit)
     except TimeoutError:
-        campaign.fail(case.hostile, "no answer within 10 s", case)
+        campaign.fail(case.hostile, f"no answer within {ANSWER_TIMEOUT_S:g} s", case)
         return
-    except (ConnectionError, OSError) as exc:  # the server dropped us mid-request
+    except OSError as exc:  # the server dropped us before answering
         campaign.fail(case.hostile, f"connection broken: {type(exc).__name__}", case)
         return
-    finally:
-        writer.close()
+    if limit is not None:
+        campaign.outcomes["disconnected"] += 1
+        return
     answer = _parse(data)
     if answer is None:
         campaign.fail(case.hostile, "no HTTP answer", (case, data[:200]))

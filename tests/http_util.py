@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
@@ -39,6 +43,43 @@ async def post(
         except ValueError:
             parsed = text
         return Reply(resp.status, CIMultiDict(resp.headers), parsed)
+
+
+async def raw_exchange(
+    url: str, data: bytes, *, timeout: float = 10.0, limit: int | None = None
+) -> bytes:
+    """Send `data` on a fresh connection; what the server sends until it closes (or the
+    first `limit` bytes). Raises TimeoutError past `timeout`, and the connection's error if
+    it broke before a byte came back.
+
+    A server that refuses a request before reading all of it (a header past the parser's
+    limit) closes with bytes unread, so its kernel resets the connection (the TCP reset
+    problem, RFC 9112 §9.6): our send may then fail while the answer already sits in our
+    receive queue. asyncio's streams drop the connection on the send's error, unread answer
+    and all; a plain socket sends beside the reads and reads on, so the answer is read."""
+    parts = urlsplit(url)
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (parts.hostname, parts.port))
+        sender = asyncio.create_task(loop.sock_sendall(sock, data))
+        received = bytearray()
+        try:
+            async with asyncio.timeout(timeout):
+                while limit is None or len(received) < limit:
+                    want = 65536 if limit is None else limit - len(received)
+                    chunk = await loop.sock_recv(sock, want)
+                    if not chunk:
+                        break
+                    received += chunk
+        except OSError:
+            if not received:
+                raise
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await sender
+        return bytes(received)
 
 
 def parse_sse(raw: str) -> list[Any]:

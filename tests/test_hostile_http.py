@@ -18,7 +18,7 @@ import nats
 import pytest
 
 from tests.conftest import unique_namespace
-from tests.http_util import post, stream
+from tests.http_util import post, raw_exchange, stream
 from tests.inproc import InProcessMesh, worker_requests
 
 pytestmark = pytest.mark.inproc
@@ -58,18 +58,6 @@ def error_of(path: str, message: str, status: int = 400) -> dict[str, Any]:
         return {"error": {"message": message}}
     type_ = {400: "BadRequestError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError"}
     return {"error": {"message": message, "type": type_[status], "param": None, "code": status}}
-
-
-async def raw_exchange(url: str, data: bytes, timeout: float = 10.0) -> bytes:
-    """Send `data` on a fresh connection; everything the server sends until it closes."""
-    parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
 
 
 # ---------------------------------------------------------------- item 3: too large for NATS
