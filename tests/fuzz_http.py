@@ -248,6 +248,9 @@ async def check_http(port: int, case: HttpCase, campaign: Campaign) -> None:
     except TimeoutError:
         campaign.fail(case.hostile, f"no answer within {ANSWER_TIMEOUT_S:g} s", case)
         return
+    except ConnectionRefusedError as exc:  # not the input's doing: the frontend is gone
+        campaign.fail(Hostile(), f"cannot connect: {exc}", case)
+        return
     except OSError as exc:  # the server dropped us before answering
         campaign.fail(case.hostile, f"connection broken: {type(exc).__name__}", case)
         return
