@@ -6,8 +6,8 @@ about 60 µs of CPU per span: `BoundedAttributes` checks and copies every attrib
 span takes a lock per call, runs its processors and is copied into a `ReadableSpan` at its
 end. A request makes two spans in two processes, and tracing's whole budget is 150 µs a
 request. A `LightSpan` is a slotted object with a plain dict of attributes and events as
-tuples, ended into a deque that one thread drains (encoded as it ends, when the exporters
-are OTLP's: see `SpanBatcher`): about a sixth of that (docs/observability.md, "Cost").
+tuples, ended into a deque that one thread drains and encodes (see `SpanBatcher`): about
+a sixth of that (docs/observability.md, "Cost").
 
 What of the SDK is still used: the sampler (`OTEL_TRACES_SAMPLER[_ARG]`, parsed and
 decided by the SDK's own objects, so parent-based decisions are exactly the SDK's; only
@@ -62,7 +62,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util import types
 
-from genmesh.shared.otlp import UNSET_STATUS, OTLPExporter, encode_span
+from genmesh.shared.otlp import UNSET_STATUS
 from genmesh.shared.tracing import valid_span_context
 
 log = logging.getLogger(__name__)
@@ -358,14 +358,14 @@ class SpanBatcher:
         self.timeout_s: float = _BSP._default_export_timeout_millis() / 1e3
         _BSP._validate_arguments(self.max_queue_size, self.delay_s * 1e3, self.max_batch)
         self.dropped = 0
-        # When every exporter is OTLP's, a span is encoded as it ends and only its bytes
-        # wait for the export. A span that waited as itself (its attributes, events and
-        # context: objects the garbage collector tracks) lived through two collections
-        # into the oldest generation, and a busy process ran a full collection (30-50 ms)
-        # every few thousand spans; a traced worker now collects as an untraced one.
-        self.otlp = [e for e in self.exporters if isinstance(e, OTLPExporter)]
-        self.encoded = bool(self.otlp) and len(self.otlp) == len(self.exporters)
-        self._queue: collections.deque[Any] = collections.deque()  # spans, or EncodedSpans
+        # Ended spans wait as they are and are encoded by the exporter, in the export
+        # thread, a batch at a time: warm, that costs half what encoding each span as it
+        # ends did on the event loop, where the encoder's code and data were cold every
+        # time (~14 against ~30 µs a span; the traced mesh ~50 µs a request cheaper,
+        # docs/performance.md, "Tracing"). That was done for the garbage collector (a span
+        # that waited lived into the oldest generation); with the young generation at
+        # 20,000 objects (lifecycle.tune_gc) a waiting span is rarely collected at all.
+        self._queue: collections.deque[LightSpan] = collections.deque()
         self._wake = threading.Event()
         self._export_lock = threading.Lock()  # the thread's drain against force_flush's
         self._stopping = False
@@ -381,14 +381,7 @@ class SpanBatcher:
         if len(queue) >= self.max_queue_size:
             self.dropped += 1
             return
-        if self.encoded:
-            try:
-                queue.append(encode_span(span))
-            except Exception:  # never into the code that ended the span
-                log.exception("span %r cannot be encoded; dropped", span.name)
-                return
-        else:
-            queue.append(span)
+        queue.append(span)
         if len(queue) >= self.max_batch and not self._wake.is_set():
             self._wake.set()
 
@@ -419,14 +412,9 @@ class SpanBatcher:
                             break
                         partial -= 1
                     batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
-                    exports = (
-                        [e.export_encoded for e in self.otlp]
-                        if self.encoded
-                        else [e.export for e in self.exporters]
-                    )
-                    for export in exports:
+                    for exporter in self.exporters:
                         try:
-                            export(batch)
+                            exporter.export(batch)
                         except Exception:
                             log.exception("exporting %d spans failed", len(batch))
         finally:
