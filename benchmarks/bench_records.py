@@ -104,7 +104,7 @@ async def load(url: str, requests: int, concurrency: int) -> int:
 
 
 async def cpu_benchmark(args: argparse.Namespace, nats_url: str, workdir: Path) -> dict[str, Any]:
-    mesh = Mesh(nats_url, workdir / "cpu", "benchrec")
+    mesh = Mesh(nats_url, workdir / "cpu", "benchrec", log_level="info")
     mesh.workdir.mkdir()
     try:
         mesh.add_router()

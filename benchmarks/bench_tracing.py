@@ -109,7 +109,9 @@ async def load(
 def start_mesh(
     nats_url: str, workdir: Path, name: str, env: dict[str, str], python: str | None = None
 ) -> Mesh:
-    mesh = Mesh(nats_url, workdir / name, f"trace{name.replace('-', '')}", env=env)
+    mesh = Mesh(
+        nats_url, workdir / name, f"trace{name.replace('-', '')}", env=env, log_level="info"
+    )
     (workdir / name).mkdir()
     # The supervisor starts `sys.executable -m genmesh`: another interpreter runs another
     # checkout's genmesh (the A/B baseline). Only while this mesh starts.

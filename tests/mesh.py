@@ -100,6 +100,9 @@ class Mesh(FrontendView):
     # Per role ("frontend", "router", "worker"), variables over `env`: NATS credentials
     # (GENMESH_NATS_USER, GENMESH_NATS_PASSWORD, ...), so each role logs in as itself.
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Tests read what the services log at debug; a benchmark runs them as `genmesh up`
+    # does, at info (a debug line per request is ~5% of a frontend's CPU).
+    log_level: str = "debug"
     # Neither the runner's GENMESH_ settings nor its OTEL_ (tracing) ones leak in.
     supervisor: Supervisor = field(init=False)
 
@@ -112,7 +115,7 @@ class Mesh(FrontendView):
 
     @property
     def connection(self) -> MeshConnection:
-        return MeshConnection(self.nats_url, self.namespace, log_level="debug")
+        return MeshConnection(self.nats_url, self.namespace, log_level=self.log_level)
 
     def _env(self, role: str, env: dict[str, str] | None = None) -> dict[str, str]:
         return self.env | self.role_env.get(role, {}) | (env or {})
