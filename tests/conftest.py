@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import nats
+import nats.aio.client
 import pytest
 
 from genmesh.client import MeshClient
@@ -88,6 +90,14 @@ def nats_server() -> Iterator[NatsServer]:
 @pytest.fixture(scope="session")
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[nats.aio.client.Client]:
+    """A plain NATS connection to the tests' server (a module may shadow it with its own)."""
+    client = await nats.connect(nats_url)
+    yield client
+    await client.close()
 
 
 @pytest.fixture

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -53,13 +51,6 @@ def block(i: int, tokens: list[int] = PREFIX) -> BlockStored:
     return BlockStored(
         [10 + i], None if i == 0 else 9 + i, TokenIds(tokens[i * BS : (i + 1) * BS]), BS
     )
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    yield client
-    await client.close()
 
 
 async def eventually(predicate: Any, what: str, timeout: float = 5.0) -> None:

@@ -10,7 +10,6 @@ schemas stand for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,6 @@ from tests.srv import by_role, endpoint, gather
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.inproc
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    conn = await nats.connect(nats_url, name="genmesh-test-micro")
-    yield conn
-    await conn.close()
 
 
 async def test_every_process_answers_ping_as_the_cli_parses_it(

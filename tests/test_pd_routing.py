@@ -10,11 +10,9 @@ stage) is tested with the engines. The choice itself: tests/unit/test_pd_routing
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -40,13 +38,6 @@ from tests.mesh import frontend_options
 pytestmark = pytest.mark.inproc
 
 MSGPACK = get_codec(None)
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    yield client
-    await client.close()
 
 
 class StandIn:

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +49,6 @@ async def status_json(nats_url: str, namespace: str) -> tuple[int, dict[str, Any
 
 def by_id(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {row["id"]: row for row in rows}
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    conn = await nats.connect(nats_url, name="genmesh-test-status")
-    yield conn
-    await conn.close()
 
 
 async def test_status_lists_routers_workers_and_the_frontend(
