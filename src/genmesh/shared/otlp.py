@@ -275,6 +275,12 @@ def encode_span(span: AnySpan) -> EncodedSpan:
     return span.resource, span.instrumentation_scope, _field(0x12, _span(span))
 
 
+def _prefix(tag: int, length: int) -> bytes:
+    """A length-delimited field's tag and length, for a body of `length` bytes written
+    after it (the body's parts joined once with the rest: no nested copies)."""
+    return _TAG[tag] + (_SHORT[length] if length < 128 else _varint(length))
+
+
 def encode_request(spans: Iterable[EncodedSpan]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans`, serialised: one ResourceSpans per
     resource, one ScopeSpans per instrumentation scope within it, as the SDK groups them."""
@@ -287,27 +293,35 @@ def encode_request(spans: Iterable[EncodedSpan]) -> bytes:
         if group is None:
             group = groups[key] = (resource, scope, [])
         group[2].append(encoded_span)
-    by_resource: dict[int, tuple[Any, list[bytes]]] = {}
+    # Each message's parts and their length; a message's head (tag and length) goes in
+    # front of its parts once they are all known, and the request is one join at the end:
+    # a batch is ~300 kB, and every nested concatenation would copy (and page in) all of it.
+    by_resource: dict[int, tuple[Any, list[bytes], list[int]]] = {}
     for resource, scope, encoded in groups.values():
-        scope_body = b""
         if scope is not None:
             inner = _field(0x0A, scope.name.encode()) if scope.name else b""
             if scope.version:
                 inner += _field(0x12, scope.version.encode())
             inner += _attributes(0x1A, scope.attributes)
-            scope_body = _field(0x0A, inner)
+            parts = [_field(0x0A, inner), *encoded]
+            if scope.schema_url:
+                parts.append(_field(0x1A, scope.schema_url.encode()))
         else:
-            scope_body = _field(0x0A, b"")
-        scope_body += b"".join(encoded)
-        if scope is not None and scope.schema_url:
-            scope_body += _field(0x1A, scope.schema_url.encode())
-        by_resource.setdefault(id(resource), (resource, []))[1].append(_field(0x12, scope_body))
-    out = []
-    for resource, scopes in by_resource.values():
-        body = _field(0x0A, _attributes(0x0A, resource.attributes)) + b"".join(scopes)
-        if resource.schema_url:
-            body += _field(0x1A, resource.schema_url.encode())
-        out.append(_field(0x0A, body))
+            parts = [_field(0x0A, b""), *encoded]
+        size = sum(map(len, parts))
+        _, resource_parts, length = by_resource.setdefault(id(resource), (resource, [], [0]))
+        head = _prefix(0x12, size)
+        resource_parts.append(head)
+        resource_parts.extend(parts)
+        length[0] += len(head) + size
+    out: list[bytes] = []
+    for resource, scopes, length in by_resource.values():
+        first = _field(0x0A, _attributes(0x0A, resource.attributes))
+        tail = _field(0x1A, resource.schema_url.encode()) if resource.schema_url else b""
+        out.append(_prefix(0x0A, len(first) + length[0] + len(tail)))
+        out.append(first)
+        out.extend(scopes)
+        out.append(tail)
     return b"".join(out)
 
 
