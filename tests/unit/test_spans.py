@@ -4,6 +4,7 @@ shutdown)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -41,8 +42,9 @@ from opentelemetry.trace import (
 
 from genmesh.shared import tracing
 from genmesh.shared.errors import ErrorCode
-from genmesh.shared.otlp import OTLPExporter, encode_spans
+from genmesh.shared.otlp import OTLPExporter, encode_request, encode_span, encode_spans
 from genmesh.shared.spans import (
+    ENCODE_CHUNK,
     MAX_EVENTS,
     LightSpan,
     LightTracer,
@@ -329,13 +331,8 @@ def test_spans_that_end_during_an_export_wait_for_a_full_batch(
     assert [s.name for s in exporter.spans] == ["first"] * 4 + ["second"] * 2 + ["third"] * 2
 
 
-def test_an_otlp_exporter_posts_the_encoding_of_its_batch(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Ended spans wait as themselves and the exporter encodes them in the export thread:
-    what is posted is what `encode_spans` makes of the same spans (which the SDK's classes
-    read as the SDK encodes them: test_a_light_span_encodes_as_the_sdk_encodes_its_copy).
-    A span that cannot be encoded is dropped and logged; the rest of its batch goes out."""
+def posting_exporter(monkeypatch: pytest.MonkeyPatch) -> tuple[OTLPExporter, list[bytes]]:
+    """An OTLP exporter whose posts are kept, not sent; batches only when asked."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
     exporter = OTLPExporter(endpoint="http://127.0.0.1:9/v1/traces")
     posted: list[bytes] = []
@@ -345,20 +342,86 @@ def test_an_otlp_exporter_posts_the_encoding_of_its_batch(
         return SimpleNamespace(success=True)
 
     monkeypatch.setattr(exporter._client, "export", post)
-    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
-    tracer = provider.get_tracer("genmesh", "1.0")
+    return exporter, posted
+
+
+def end_spans(tracer: LightTracer, count: int, bad_at: int) -> list[trace.Span]:
+    """`count` spans ended, and one that cannot be encoded (an integer beyond int64) after
+    the span `bad_at`; the good ones."""
     spans = []
-    for n in range(70):  # past the exporter's turns of 32 spans
+    for n in range(count):
         span = tracer.start_span(f"s{n}", attributes={"genmesh.attempt": n})
         span.add_event("first_token")
         span.end()
         spans.append(span)
-        if n == 40:  # an integer beyond int64: cannot be encoded
+        if n == bad_at:
             tracer.start_span("bad", attributes={"n": -(1 << 70)}).end()
-    assert list(provider.batcher._queue)[:3] == spans[:3]  # the spans themselves wait
+    return spans
+
+
+def test_an_otlp_exporter_posts_the_encoding_of_its_batch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Spans that end outside an event loop wait as themselves, and the exporter encodes
+    them in the export thread: what is posted is what `encode_spans` makes of the same
+    spans (which the SDK's classes read as the SDK encodes them:
+    test_a_light_span_encodes_as_the_sdk_encodes_its_copy). A span that cannot be encoded
+    is dropped and logged; the rest of its batch goes out."""
+    exporter, posted = posting_exporter(monkeypatch)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    spans = end_spans(provider.get_tracer("genmesh", "1.0"), 70, bad_at=40)  # past turns of 32
+    assert list(provider.batcher._ended)[:3] == spans[:3]  # the spans themselves wait
+    assert not provider.batcher._queue
     provider.shutdown()
     assert posted == [encode_spans(spans)]
     assert "span 'bad' cannot be encoded; dropped" in caplog.text
+
+
+async def test_spans_that_end_on_an_event_loop_are_encoded_there_in_chunks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On an event loop, every `ENCODE_CHUNK` ended spans are encoded by the loop, in a
+    callback at its next turn; fewer wait for the export. What is posted is the same."""
+    exporter, posted = posting_exporter(monkeypatch)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    batcher = provider.batcher
+    spans = end_spans(provider.get_tracer("genmesh", "1.0"), 70, bad_at=40)
+    assert len(batcher._ended) == 71  # nothing ran yet
+    assert not batcher._queue
+    for _ in range(3):  # a chunk a turn, while a whole chunk waits
+        await asyncio.sleep(0)
+    assert len(batcher._queue) == 2 * ENCODE_CHUNK - 1  # the bad one dropped, and logged
+    assert "span 'bad' cannot be encoded; dropped" in caplog.text
+    assert all(type(item) is tuple for item in batcher._queue)
+    assert list(batcher._ended) == spans[2 * ENCODE_CHUNK - 1 :]
+    assert batcher.waiting() == 70
+    provider.shutdown()
+    assert posted == [encode_spans(spans)]
+
+
+def test_a_chunk_left_due_on_a_closed_loop_holds_up_no_other_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop that closed with a chunk due (its callback never run) does not keep another
+    loop from encoding; the spans it left are exported all the same."""
+    exporter, posted = posting_exporter(monkeypatch)
+    provider = LightTracerProvider(DEFAULT_ON, RESOURCE, [exporter])
+    tracer = provider.get_tracer("genmesh", "1.0")
+    first = end_spans(tracer, ENCODE_CHUNK, bad_at=-1)  # outside a loop: left as they are
+    closed = asyncio.new_event_loop()
+    closed.close()
+    provider.batcher._encoding_on = closed  # as if a chunk were due there
+
+    async def end_and_wait() -> list[trace.Span]:
+        spans = end_spans(tracer, ENCODE_CHUNK, bad_at=-1)
+        await asyncio.sleep(0)
+        return spans
+
+    second = asyncio.run(end_and_wait())
+    assert len(provider.batcher._queue) == 2 * ENCODE_CHUNK  # both chunks, the oldest first
+    assert not provider.batcher._ended
+    provider.shutdown()
+    assert posted == [encode_request(map(encode_span, [*first, *second]))]
 
 
 def test_shutdown_exports_what_is_left(memory: tuple[LightTracer, Memory]) -> None:
@@ -450,3 +513,32 @@ def test_a_valid_span_context_is_the_apis(args: tuple[Any, ...]) -> None:
     assert ours == theirs
     assert ours.is_valid
     assert ours.trace_state == theirs.trace_state
+
+
+def test_the_current_context_is_read_and_set_as_the_api_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`tracing`'s context helpers go to the runtime context's variable directly (the
+    SDK's default runtime context here: the fast path is on) and do what the API does."""
+    from opentelemetry import context as otel_context
+    from opentelemetry.trace.propagation import _SPAN_KEY
+
+    assert tracing._CURRENT is not None
+    span = NonRecordingSpan(tracing.valid_span_context(7, 9, True, TraceFlags(1)))
+    base = otel_context.set_value("other", 1)
+    assert tracing.with_span(span, base) == trace.set_span_in_context(span, base)
+    token = tracing.attach(base)
+    try:
+        assert otel_context.get_current() is base is tracing.current()
+        assert tracing.with_span(span) == trace.set_span_in_context(span)
+        for context in (None, tracing.with_span(span), otel_context.set_value("x", 2)):
+            expected = trace.get_current_span(context).get_span_context()
+            assert tracing.current_span_context(context) == expected
+        # Not a span under the span's key: no span, as the API reads it.
+        odd = otel_context.Context({_SPAN_KEY: "not a span"})
+        assert tracing.current_span_context(odd) is trace.INVALID_SPAN_CONTEXT
+    finally:
+        tracing.detach(token)
+    assert otel_context.get_current() is not base
+    tracing.detach(token)  # a token used up: logged, as the API's detach logs it
+    assert "Failed to detach context" in caplog.text

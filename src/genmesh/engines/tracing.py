@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from urllib.parse import urlsplit
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from genmesh.engines.base import EngineOutput
@@ -52,7 +50,7 @@ def engine_call(
 async def _engine_call(
     outputs: AsyncGenerator[EngineOutput, None], span: Span
 ) -> AsyncGenerator[EngineOutput, None]:
-    ctx = trace.set_span_in_context(span)
+    ctx = tracing.with_span(span)
     recording = span.is_recording()
     tokens = 0
     answered = finished = False
@@ -60,13 +58,13 @@ async def _engine_call(
         while True:
             # Current only while the adapter runs: each step attaches and detaches in
             # this task, so the worker's own code between steps never sees it.
-            token = otel_context.attach(ctx)
+            token = tracing.attach(ctx)
             try:
                 out = await outputs.__anext__()
             except StopAsyncIteration:
                 return
             finally:
-                otel_context.detach(token)
+                tracing.detach(token)
             if not answered:
                 answered = True
                 if recording:
@@ -99,11 +97,11 @@ async def _engine_call(
             span.set_attribute(GENMESH_ERROR_TYPE, ErrorCode.CANCELLED.value)
         raise
     finally:
-        token = otel_context.attach(ctx)
+        token = tracing.attach(ctx)
         try:
             await outputs.aclose()  # the adapter's abort, if any, under this span too
         finally:
-            otel_context.detach(token)
+            tracing.detach(token)
             if recording:
                 span.set_attribute(TOKENS_OUTPUT, tokens)
             span.end()

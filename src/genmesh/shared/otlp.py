@@ -211,20 +211,20 @@ _NO_TRACE_STATE = DEFAULT_TRACE_STATE
 def _span(span: AnySpan) -> bytes:
     context = span.get_span_context()
     assert context is not None  # an SDK span always has one
-    trace_id = context.trace_id
+    # A SpanContext is a tuple (tracing.valid_span_context): its fields read at once, not
+    # by a property each.
+    trace_id, span_id, _, _, trace_state, _ = context
     parts = [
-        _head(
-            b"\x0a\x10", trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, b"\x12\x08", context.span_id
-        ),
+        _head(b"\x0a\x10", trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, b"\x12\x08", span_id),
     ]
-    trace_state = context.trace_state
     if trace_state is not _NO_TRACE_STATE and trace_state:
         parts.append(_field(0x1A, ",".join(f"{k}={v}" for k, v in trace_state.items()).encode()))
     parent = span.parent
     flags = _HAS_IS_REMOTE
     if parent is not None:
-        parts.append(b"\x22\x08" + _id64(parent.span_id))
-        if parent.is_remote:
+        _, parent_id, parent_remote, _, _, _ = parent
+        parts.append(b"\x22\x08" + _id64(parent_id))
+        if parent_remote:
             flags |= _IS_REMOTE
     parts.append(_name(0x2A, span.name))
     parts.append(_KIND_FIELD[id(span.kind)])
@@ -332,27 +332,44 @@ def encode_spans(spans: Sequence[AnySpan]) -> bytes:
 
 # Spans encoded between two moments the export thread lets the GIL go: a batch of 512
 # takes ~7 ms to encode, and the event loop would wait for all of it (CPython hands the
-# GIL over every 5 ms at the earliest); 32 spans are ~0.5 ms.
+# GIL over every 5 ms at the earliest); 32 spans are ~0.5 ms. (Most spans come encoded
+# already, by the event loop: `SpanBatcher`.)
 _SPANS_PER_TURN = 32
 
 
-def _encoded(spans: Iterable[AnySpan]) -> Iterator[EncodedSpan]:
-    """`encode_span` of each span; a span that cannot be encoded (an integer beyond
-    int64, a string with a lone surrogate) is dropped and logged, not its whole batch."""
-    for n, span in enumerate(spans, 1):
-        try:
-            yield encode_span(span)
-        except Exception:
-            log.exception("span %r cannot be encoded; dropped", span.name)
-        if n % _SPANS_PER_TURN == 0:
-            time.sleep(0)  # the event loop's turn
+def encode_or_drop(span: AnySpan) -> EncodedSpan | None:
+    """`encode_span`, or None for a span that cannot be encoded (an integer beyond int64,
+    a string with a lone surrogate): dropped and logged, not its whole batch."""
+    try:
+        return encode_span(span)
+    except Exception:
+        log.exception("span %r cannot be encoded; dropped", span.name)
+        return None
+
+
+def _encoded(items: Iterable[AnySpan | EncodedSpan]) -> Iterator[EncodedSpan]:
+    """Each item's encoding: an `EncodedSpan` as it is, a span encoded here."""
+    turn = 0
+    for item in items:
+        if not isinstance(item, tuple):
+            encoded = encode_or_drop(item)
+            turn += 1
+            if turn % _SPANS_PER_TURN == 0:
+                time.sleep(0)  # the event loop's turn
+            if encoded is None:
+                continue
+            item = encoded
+        yield item
 
 
 class OTLPExporter(OTLPSpanExporter):
-    """The SDK's OTLP/HTTP span exporter, encoding with `encode_span` (in the thread that
-    exports: genmesh's `SpanBatcher`'s, or the SDK's batch processor's)."""
+    """The SDK's OTLP/HTTP span exporter, encoding with `encode_span`. `export` takes
+    spans, or what `encode` made of them (`SpanBatcher` has the event loop encode spans
+    as they end, in chunks); it encodes the spans among them in the calling thread."""
 
-    def export(self, spans: Sequence[AnySpan]) -> SpanExportResult:
+    encode = staticmethod(encode_or_drop)
+
+    def export(self, spans: Sequence[AnySpan | EncodedSpan]) -> SpanExportResult:
         if self._shutdown:
             return SpanExportResult.FAILURE
         result = self._client.export(encode_request(_encoded(spans)))

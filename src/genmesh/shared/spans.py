@@ -31,6 +31,7 @@ What is given up, knowingly:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import logging
@@ -38,7 +39,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -63,11 +64,13 @@ from opentelemetry.trace import (
 from opentelemetry.util import types
 
 from genmesh.shared.otlp import UNSET_STATUS
-from genmesh.shared.tracing import valid_span_context
+from genmesh.shared.tracing import current_span_context, valid_span_context
 
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 128  # the SDK's default OTEL_SPAN_EVENT_COUNT_LIMIT
+# Spans an event loop encodes in one callback (SpanBatcher): ~0.5 ms of the loop's time.
+ENCODE_CHUNK = 32
 # Every combination of the two flags the SDK sets: sampled, and "the trace id is random"
 # (its RandomIdGenerator's ids are, so a root span says so and a child inherits it).
 _FLAGS = [TraceFlags(n) for n in range(4)]
@@ -75,7 +78,6 @@ _SAMPLED = TraceFlags.SAMPLED
 _RANDOM = TraceFlags.RANDOM_TRACE_ID
 _time_ns = time.time_ns
 _getrandbits = random.getrandbits
-_get_current_span = trace.get_current_span
 _SAMPLE = Decision.RECORD_AND_SAMPLE
 _DROP = Decision.DROP
 # The SDK's own parsing and checks of the OTEL_BSP_* variables (untyped static methods).
@@ -83,7 +85,9 @@ _BSP: Any = BatchSpanProcessor
 
 
 class Exporter(Protocol):
-    """What `SpanBatcher` exports through (an SDK `SpanExporter` has this shape)."""
+    """What `SpanBatcher` exports through (an SDK `SpanExporter` has this shape). One
+    that also has `encode(span)` (`otlp.OTLPExporter`) is given, in a span's stead, what
+    that made of it on the event loop (None: nothing to export)."""
 
     def export(self, spans: Sequence[Any]) -> Any: ...
 
@@ -216,7 +220,7 @@ class LightSpan(trace.Span):
         if self.end_time is not None:
             return
         self.end_time = end_time or _time_ns()
-        if self._context.trace_flags & _SAMPLED:  # as the SDK's batch processor: a
+        if self._context[3] & _SAMPLED:  # (trace_flags) as the SDK's batch processor: a
             self._tracer.batcher.emit(self)  # recorded but unsampled span is not exported
 
     def readable(self) -> ReadableSpan:
@@ -282,20 +286,21 @@ class LightTracer(trace.Tracer):
         set_status_on_exception: bool = True,
     ) -> trace.Span:
         # As the SDK's Tracer.start_span, less its processors, limits and checks.
-        parent: SpanContext | None = _get_current_span(context).get_span_context()
-        if parent is not None and parent.is_valid:
-            trace_id = parent.trace_id
-            random_id = parent.trace_flags & _RANDOM
+        current = current_span_context(context)
+        # A SpanContext is a tuple (tracing.valid_span_context): its fields read at once.
+        trace_id, _, _, parent_flags, parent_state, valid = current
+        parent: SpanContext | None = current if valid else None
+        if parent is not None:
+            random_id = parent_flags & _RANDOM
         else:
-            parent = None
             trace_id = _getrandbits(128)
             while trace_id == INVALID_TRACE_ID:
                 trace_id = _getrandbits(128)
             random_id = _RANDOM
         links = links or ()
         if self.default_sampling:  # decided here as that sampler decides (see __init__)
-            sampled = recording = parent is None or bool(parent.trace_flags & _SAMPLED)
-            trace_state = None if parent is None else parent.trace_state
+            sampled = recording = parent is None or bool(parent_flags & _SAMPLED)
+            trace_state = None if parent is None else parent_state
             given = attributes
         else:
             result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
@@ -344,11 +349,21 @@ class LightTracer(trace.Tracer):
 
 
 class SpanBatcher:
-    """Ended spans wait in a bounded deque (full: dropped and counted); one thread exports
+    """Ended spans wait in a bounded queue (full: dropped and counted); one thread exports
     them in batches every `OTEL_BSP_SCHEDULE_DELAY` ms, or as soon as a batch
     (`OTEL_BSP_MAX_EXPORT_BATCH_SIZE`) waits (then full batches only), to every exporter
     in turn. The variables are read by the SDK's own parsing, defaults included (5 s, 512
-    spans, a queue of 2,048, a 30 s export timeout, which bounds `shutdown`)."""
+    spans, a queue of 2,048, a 30 s export timeout, which bounds `shutdown`).
+
+    With a lone exporter that encodes (OTLP), spans that end on an event loop are encoded
+    by that loop, `ENCODE_CHUNK` at a time, in a callback of their own: the export thread
+    then only posts. Encoding in the export thread cost more CPU a request than the work
+    itself: the thread must take the GIL from the loop and hand it back every ~0.5 ms of
+    encoding, so as not to stall the loop (the mesh cost ~35 µs a request more,
+    docs/performance.md, "Tracing"). A chunk costs the loop the same ~0.5 ms, warm; a span
+    encoded alone as it ended ran the encoder cold (~30 µs a span against ~15). Spans
+    that end in a thread without a loop, and those still waiting at an export, are
+    encoded by the exporter in the export thread."""
 
     def __init__(self, exporters: Sequence[Exporter]) -> None:
         self.exporters = list(exporters)
@@ -358,14 +373,11 @@ class SpanBatcher:
         self.timeout_s: float = _BSP._default_export_timeout_millis() / 1e3
         _BSP._validate_arguments(self.max_queue_size, self.delay_s * 1e3, self.max_batch)
         self.dropped = 0
-        # Ended spans wait as they are and are encoded by the exporter, in the export
-        # thread, a batch at a time: warm, that costs half what encoding each span as it
-        # ends did on the event loop, where the encoder's code and data were cold every
-        # time (~14 against ~30 µs a span; the traced mesh ~50 µs a request cheaper,
-        # docs/performance.md, "Tracing"). That was done for the garbage collector (a span
-        # that waited lived into the oldest generation); with the young generation at
-        # 20,000 objects (lifecycle.tune_gc) a waiting span is rarely collected at all.
-        self._queue: collections.deque[LightSpan] = collections.deque()
+        only = self.exporters[0] if len(self.exporters) == 1 else None
+        self._encode: Callable[[LightSpan], Any] | None = getattr(only, "encode", None)
+        self._ended: collections.deque[LightSpan] = collections.deque()  # as they ended
+        self._queue: collections.deque[Any] = collections.deque()  # encoded, by a loop
+        self._encoding_on: asyncio.AbstractEventLoop | None = None  # a chunk is due there
         self._wake = threading.Event()
         self._export_lock = threading.Lock()  # the thread's drain against force_flush's
         self._stopping = False
@@ -373,16 +385,54 @@ class SpanBatcher:
         self._thread = threading.Thread(target=self._run, name="genmesh-spans", daemon=True)
         self._thread.start()
 
+    def waiting(self) -> int:
+        """Spans ended and not yet exported."""
+        return len(self._ended) + len(self._queue)
+
     def emit(self, span: LightSpan) -> None:
         """Queue an ended span (the event loop's side: no lock, no wait)."""
         if self._stopping:  # as the SDK: a span that ends after shutdown is not exported
             return
-        queue = self._queue
-        if len(queue) >= self.max_queue_size:
+        ended = self._ended
+        if len(ended) + len(self._queue) >= self.max_queue_size:
             self.dropped += 1
             return
-        queue.append(span)
-        if len(queue) >= self.max_batch and not self._wake.is_set():
+        ended.append(span)
+        if len(ended) >= ENCODE_CHUNK and self._encode is not None and self._encode_soon():
+            return
+        if len(ended) + len(self._queue) >= self.max_batch and not self._wake.is_set():
+            self._wake.set()
+
+    def _encode_soon(self) -> bool:
+        """Have the running event loop encode a chunk of the ended spans at its next turn;
+        False if this thread runs no loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        if self._encoding_on is not loop:  # (a loop that stopped first left it unrun)
+            self._encoding_on = loop
+            loop.call_soon(self._encode_chunk)
+        return True
+
+    def _encode_chunk(self) -> None:
+        self._encoding_on = None
+        encode = self._encode
+        assert encode is not None
+        ended, queue = self._ended, self._queue
+        for _ in range(ENCODE_CHUNK):
+            if self._stopping:  # what is left is the export thread's (shutdown)
+                return
+            try:
+                span = ended.popleft()
+            except IndexError:  # (force_flush took it)
+                break
+            encoded = encode(span)
+            if encoded is not None:
+                queue.append(encoded)
+        if len(ended) >= ENCODE_CHUNK:
+            self._encode_soon()
+        elif len(ended) + len(queue) >= self.max_batch and not self._wake.is_set():
             self._wake.set()
 
     def _run(self) -> None:
@@ -397,6 +447,17 @@ class SpanBatcher:
             self._drain(partial=0 if full else 1)
         self._drain()  # shutdown: what is left
 
+    def _batch(self) -> list[Any]:
+        """Up to a batch of what waits: encoded spans first, then spans as they ended."""
+        batch: list[Any] = []
+        for source in (self._queue, self._ended):
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(source.popleft())
+                except IndexError:  # empty (the loop may have taken the last)
+                    break
+        return batch
+
     def _drain(self, partial: float = math.inf) -> None:
         """Export what waits in batches: every full one, and at most `partial` smaller."""
         # The exporter's own HTTP calls are not to be traced by any instrumentation.
@@ -405,13 +466,12 @@ class SpanBatcher:
         )
         try:
             with self._export_lock:
-                queue = self._queue
-                while queue:
-                    if len(queue) < self.max_batch:
+                while waiting := self.waiting():
+                    if waiting < self.max_batch:
                         if partial < 1:
                             break
                         partial -= 1
-                    batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+                    batch = self._batch()
                     for exporter in self.exporters:
                         try:
                             exporter.export(batch)
@@ -437,6 +497,8 @@ class SpanBatcher:
         self._thread.join(self.timeout_s)
         if self._thread.is_alive():
             log.warning("span export did not finish within %.0f s", self.timeout_s)
+        else:  # a span a loop was encoding as the thread drained for the last time
+            self._drain()
         if self.dropped:
             log.warning("%d spans dropped: the export queue was full", self.dropped)
         for exporter in self.exporters:

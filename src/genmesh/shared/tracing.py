@@ -32,6 +32,7 @@ import os
 import struct
 import sys
 from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -39,6 +40,7 @@ from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
+from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import Getter, TextMapPropagator
 from opentelemetry.trace import (
@@ -52,6 +54,7 @@ from opentelemetry.trace import (
     Tracer,
     TraceState,
 )
+from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
@@ -101,6 +104,7 @@ FIRST_TOKEN = "first_token"
 FINISH = "finish"
 # At most this many worker ids in a list attribute.
 MAX_LISTED = 32
+_CANCELLED = ErrorCode.CANCELLED.value  # (an Enum member's value is two Python calls)
 
 _tracer: Tracer | None = None
 _provider: TracerProvider | LightTracerProvider | None = None
@@ -242,6 +246,55 @@ def shutdown() -> None:
             log.warning("tracing shutdown failed: %s", exc)
 
 
+# --------------------------------------------------------------------- current context
+
+# The variable that holds the current context, when the runtime context is the SDK's
+# default one (`contextvars_context`, unless OTEL_PYTHON_CONTEXT names another): the
+# API's `attach`, `detach`, `get_current` and `set_span_in_context` are each two or three
+# Python calls around it, and a request crosses them a dozen times in its two processes.
+_RUNTIME = otel_context._RUNTIME_CONTEXT
+_CURRENT: ContextVar[Context] | None = (
+    _RUNTIME._current_context if type(_RUNTIME) is ContextVarsRuntimeContext else None
+)
+
+
+def current() -> Context:
+    """The current context (`opentelemetry.context.get_current`)."""
+    return _CURRENT.get() if _CURRENT is not None else otel_context.get_current()
+
+
+def attach(context: Context) -> Token[Context]:
+    """Make `context` current (`opentelemetry.context.attach`)."""
+    return _CURRENT.set(context) if _CURRENT is not None else otel_context.attach(context)
+
+
+def detach(token: Token[Context]) -> None:
+    """Restore the context `token` replaced (`opentelemetry.context.detach`: a token of
+    another context is logged, not raised)."""
+    if _CURRENT is None:
+        otel_context.detach(token)
+        return
+    try:
+        _CURRENT.reset(token)
+    except (ValueError, RuntimeError):
+        log.exception("Failed to detach context")
+
+
+def with_span(span: Span, context: Context | None = None) -> Context:
+    """`context` (default: the current one) with `span` as its span
+    (`trace.set_span_in_context`)."""
+    return Context({**(current() if context is None else context), _SPAN_KEY: span})
+
+
+def current_span_context(context: Context | None = None) -> SpanContext:
+    """The context of the span current in `context` (default: the current context);
+    `INVALID_SPAN_CONTEXT` if none (`trace.get_current_span(context).get_span_context()`)."""
+    span = (current() if context is None else context).get(_SPAN_KEY)
+    if span is None or not isinstance(span, Span):
+        return INVALID_SPAN_CONTEXT
+    return span.get_span_context()
+
+
 # --------------------------------------------------------------------- propagation
 
 
@@ -330,7 +383,7 @@ def extract(headers: Mapping[str, str] | None) -> Context:
         return Context()
     # Valid by the checks above: 32 and 16 hex digits, not all zero.
     remote = valid_span_context(int(trace_id, 16), int(span_id, 16), True, _TRACE_FLAGS[flags])
-    return trace.set_span_in_context(NonRecordingSpan(remote), Context())
+    return Context({_SPAN_KEY: NonRecordingSpan(remote)})
 
 
 def valid_span_context(
@@ -351,17 +404,17 @@ def valid_span_context(
 
 def _traceparent(out: dict[str, str], span: SpanContext) -> None:
     """Write `span`'s context as the SDK's `tracecontext` propagator does."""
-    if span == INVALID_SPAN_CONTEXT:
+    # A SpanContext is a tuple (valid_span_context): its fields read at once, not by five
+    # properties.
+    trace_id, span_id, _, flags, trace_state, valid = span
+    if not valid:
         return
     # The ids' hex digits from their bytes: two thirds of the CPU of formatting them as
     # zero-padded ints (`f"{trace_id:032x}"`), one string built once.
-    trace_id = span.trace_id
     high, low = trace_id >> 64, trace_id & _LOW64
-    out[TRACEPARENT] = (
-        f"00-{_id128(high, low).hex()}-{_id64(span.span_id).hex()}{_FLAGS_HEX[span.trace_flags]}"
-    )
-    if span.trace_state:
-        out["tracestate"] = span.trace_state.to_header()
+    out[TRACEPARENT] = f"00-{_id128(high, low).hex()}-{_id64(span_id).hex()}{_FLAGS_HEX[flags]}"
+    if trace_state is not DEFAULT_TRACE_STATE and trace_state:
+        out["tracestate"] = trace_state.to_header()
 
 
 def inject(
@@ -385,8 +438,9 @@ def inject_current(headers: dict[str, str]) -> dict[str, str]:
     if _tracer is None:
         return headers
     out = dict(headers)
-    if _w3c and not otel_context.get_value(_BAGGAGE_KEY):
-        _traceparent(out, trace.get_current_span().get_span_context())
+    context = current()
+    if _w3c and not context.get(_BAGGAGE_KEY):
+        _traceparent(out, current_span_context(context))
     else:
         propagate.inject(out)
     return out
@@ -417,7 +471,7 @@ def attempt_of(envelope: Envelope) -> int:
 
 def fail(span: Span, code: str, message: str) -> None:
     """Mark `span` as failed with a genmesh error code (a cancellation is no error)."""
-    if code == ErrorCode.CANCELLED.value:
+    if code == _CANCELLED:
         span.set_attribute(GENMESH_ERROR_TYPE, code)
     else:
         span.set_attributes({GENMESH_ERROR_TYPE: code, ERROR_TYPE: code})
@@ -508,13 +562,13 @@ class remote_parent:  # a class: a generator-based context manager costs twice a
         self.headers = headers
 
     def __enter__(self) -> None:
-        self._token = otel_context.attach(extract(self.headers))
+        self._token = attach(extract(self.headers))
 
     def __exit__(self, *exc_info: object) -> None:
-        otel_context.detach(self._token)
+        detach(self._token)
 
 
 def enter(span: FrameSpan) -> None:
     """Make `span` current for the rest of the calling task, which owns it (a worker's
     request task): the task's context is its own copy, so nothing leaks out."""
-    otel_context.attach(trace.set_span_in_context(span.span))
+    attach(with_span(span.span))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from genmesh.client import MIG, ClientFrame
@@ -20,6 +18,7 @@ from genmesh.shared import frames, tracing
 from genmesh.shared.errors import ErrorCode
 
 MIGRATION = "migration"
+_CANCELLED = ErrorCode.CANCELLED.value
 
 
 class TraceObserver:
@@ -56,7 +55,7 @@ class RequestTrace:
         self.items: list[frames.Summary] = []
         self.tokens = 0
         # Detached in finished(), which the handler calls in this same task.
-        self._token = otel_context.attach(trace.set_span_in_context(self.span, parent))
+        self._token = tracing.attach(tracing.with_span(self.span, parent))
 
     def dispatched(self, info: RequestInfo) -> None:
         if not self.recording:
@@ -124,14 +123,11 @@ class RequestTrace:
                     attributes[tracing.GENMESH_ERROR_TYPE] = error_type
                 # As for any HTTP server span: 5xx is an error, 4xx the client's (499: it
                 # went away). A stream that failed after its 200 is an error too.
-                failed_in_band = status < 400 and error_type not in (
-                    None,
-                    ErrorCode.CANCELLED.value,
-                )
+                failed_in_band = status < 400 and error_type not in (None, _CANCELLED)
                 if status >= 500 or failed_in_band:
                     attributes[tracing.ERROR_TYPE] = error_type or str(status)
                     span.set_status(Status(StatusCode.ERROR, error_type or str(status)))
                 span.set_attributes(attributes)
             span.end()
         finally:
-            otel_context.detach(self._token)
+            tracing.detach(self._token)
