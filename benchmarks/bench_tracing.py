@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_tracing.py [--requests 2000] [--repeats 7]
         [--concurrency 8] [--rate R] [--bsp-delay-ms 5000] [--base-python PYTHON]
+        [--one-at-a-time]
 
 Two meshes side by side, in one run: `off` (no OTEL_* variables: the API's no-op tracer)
 and `on` (OTEL_TRACES_EXPORTER=otlp to an OTLP/HTTP receiver in this process that counts
@@ -25,6 +26,12 @@ exports five times a second, which costs more (each export is an HTTP request). 
 figure is the median over the runs of the difference within each run (on minus off), with
 its range, and by process; the receiver and the load generator run in this process and
 are not counted.
+
+`--one-at-a-time` loads the meshes in turn instead (the order flipped every run), each
+alone on the machine while it runs, as `compare_dynamo.sh` measures a mesh's CPU per
+request: two meshes at once on two cores run each process colder (the untraced mesh
+costs ~0.9 ms a request at c=32 where alone it costs ~0.6), and tracing's share with
+it; in turn, the pairs are taken seconds apart and scatter more, so run more repeats.
 
 `--base-python` adds the same two meshes run by another interpreter (another checkout's
 virtualenv, say the main branch's), in the same runs: a change measured A/B on the same
@@ -225,24 +232,43 @@ async def main(args: argparse.Namespace) -> None:
             for run in range(args.repeats):
                 for name in meshes:
                     await checkpoint(name, answered.get(name, 1))
-                # Every mesh at once, each with its own clients: they share the machine
-                # in the same seconds, so what others do on it weighs on all alike.
                 order = list(meshes) if run % 2 == 0 else list(reversed(meshes))
-                before = {
-                    name: {r: cpu_split(pid) for r, pid in pids(name).items()} for name in order
-                }
-                done = asyncio.Event()
-                started = time.perf_counter()
-                counts = await asyncio.gather(
-                    *(
+
+                def cpu(names: list[str]) -> dict[str, dict[str, tuple[float, float]]]:
+                    return {n: {r: cpu_split(pid) for r, pid in pids(n).items()} for n in names}
+
+                before: dict[str, dict[str, tuple[float, float]]] = {}
+                after: dict[str, dict[str, tuple[float, float]]] = {}
+                walls: dict[str, float] = {}
+                if args.one_at_a_time:  # each mesh alone on the machine, in turn
+                    counts = []
+                    for n in order:
+                        before |= cpu([n])
+                        started = time.perf_counter()
+                        counts.append(
+                            await load(
+                                meshes[n].http_url,
+                                args.requests,
+                                args.concurrency,
+                                asyncio.Event(),
+                                args.rate,
+                            )
+                        )
+                        walls[n] = time.perf_counter() - started
+                        after |= cpu([n])
+                else:
+                    # Every mesh at once, each with its own clients: they share the machine
+                    # in the same seconds, so what others do on it weighs on all alike.
+                    before = cpu(order)
+                    done = asyncio.Event()
+                    started = time.perf_counter()
+                    loads = (
                         load(meshes[n].http_url, args.requests, args.concurrency, done, args.rate)
                         for n in order
                     )
-                )
-                wall = time.perf_counter() - started
-                after = {
-                    name: {r: cpu_split(pid) for r, pid in pids(name).items()} for name in order
-                }
+                    counts = await asyncio.gather(*loads)
+                    walls = dict.fromkeys(order, time.perf_counter() - started)
+                    after = cpu(order)
                 for name, count in zip(order, counts, strict=True):
                     answered[name] = count
                     sent[name] += count
@@ -252,7 +278,7 @@ async def main(args: argparse.Namespace) -> None:
                             spent += after[name][role][1] - before[name][role][1]
                         shares[name][role].append(spent / count * 1e3)
                     exports[name].append(0.0)
-                    notes[name] = f"run {run + 1}, {count / wall:.0f} req/s"
+                    notes[name] = f"run {run + 1}, {count / walls[name]:.0f} req/s"
             for name in meshes:
                 await checkpoint(name, answered[name])
         finally:
@@ -321,4 +347,10 @@ if __name__ == "__main__":
         help="requests a second to each mesh (default: as fast as it answers)",
     )
     parser.add_argument("--base-python", help="also run meshes with this interpreter (A/B)")
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="load one mesh at a time, alternating, each alone on the machine (as "
+        "compare_dynamo.sh measures a mesh's CPU per request); default: all at once",
+    )
     asyncio.run(main(parser.parse_args()))
