@@ -293,10 +293,11 @@ async def main(args: argparse.Namespace) -> None:
     def diffs(a: list[float], b: list[float]) -> list[float]:
         return [y - x for x, y in zip(a, b, strict=True)]
 
+    how = "one mesh at a time" if args.one_at_a_time else "all meshes at once"
     print(
         f"tracing: {args.requests} requests/run (16 tokens, half SSE), concurrency "
         f"{args.concurrency} per mesh{f', {args.rate:.0f} req/s each' if args.rate else ''}, "
-        f"{args.repeats} runs of all meshes at once; CPU ms per "
+        f"{args.repeats} runs of {how}; CPU ms per "
         "request, medians; mesh = frontend + router + worker + its nats-server"
     )
     for prefix in pythons:
