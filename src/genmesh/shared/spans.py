@@ -6,8 +6,8 @@ about 60 µs of CPU per span: `BoundedAttributes` checks and copies every attrib
 span takes a lock per call, runs its processors and is copied into a `ReadableSpan` at its
 end. A request makes two spans in two processes, and tracing's whole budget is 150 µs a
 request. A `LightSpan` is a slotted object with a plain dict of attributes and events as
-tuples, ended into a deque that one thread drains and encodes (see `SpanBatcher`): about
-a sixth of that (docs/observability.md, "Cost").
+tuples, ended into a deque, encoded by the event loop in chunks and posted by one thread
+(see `SpanBatcher`): about a sixth of that (docs/observability.md, "Cost").
 
 What of the SDK is still used: the sampler (`OTEL_TRACES_SAMPLER[_ARG]`, parsed and
 decided by the SDK's own objects, so parent-based decisions are exactly the SDK's; only
