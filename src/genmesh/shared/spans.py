@@ -357,13 +357,13 @@ class SpanBatcher:
 
     With a lone exporter that encodes (OTLP), spans that end on an event loop are encoded
     by that loop, `ENCODE_CHUNK` at a time, in a callback of their own: the export thread
-    then only posts. Encoding in the export thread cost more CPU a request than the work
-    itself: the thread must take the GIL from the loop and hand it back every ~0.5 ms of
-    encoding, so as not to stall the loop (the mesh cost ~35 µs a request more,
-    docs/performance.md, "Tracing"). A chunk costs the loop the same ~0.5 ms, warm; a span
-    encoded alone as it ended ran the encoder cold (~30 µs a span against ~15). Spans
-    that end in a thread without a loop, and those still waiting at an export, are
-    encoded by the exporter in the export thread."""
+    then only posts. Encoding in the export thread cost the loop's thread too: the export
+    thread must take the GIL from it and hand it back every ~0.5 ms of encoding, so as not
+    to stall the loop, and the traced mesh cost up to ~35 µs a request more that way
+    (docs/performance.md, "Tracing"). A chunk holds the loop about as long, warm; a span
+    encoded alone as it ended ran the encoder cold (~30 µs a span against ~15). Spans that
+    end in a thread without a loop, and those still waiting at an export, are encoded by
+    the exporter in the export thread."""
 
     def __init__(self, exporters: Sequence[Exporter]) -> None:
         self.exporters = list(exporters)
@@ -472,6 +472,8 @@ class SpanBatcher:
                             break
                         partial -= 1
                     batch = self._batch()
+                    if not batch:  # a loop took the last of them meanwhile
+                        break
                     for exporter in self.exporters:
                         try:
                             exporter.export(batch)
