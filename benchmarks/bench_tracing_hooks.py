@@ -2,6 +2,7 @@
 and worker's tracing hooks for one 16-token request, and the export of their spans.
 
     .venv/bin/python benchmarks/bench_tracing_hooks.py [--requests 3000] [--repeats 5]
+    .venv/bin/python benchmarks/bench_tracing_hooks.py --lag 10 [--rate 1000]
 
 `bench_tracing.py` measures the whole mesh, where a request costs ~1.5 ms of CPU and a
 shared machine moves that by more than the tracing costs; this runs, in one process, only
@@ -11,9 +12,11 @@ the router's span, the worker's span over 17 frames), with the real SDK, batch s
 processor and OTLP/HTTP exporter (`OTEL_*` as the services read them) sending to a
 receiver in another process, in an event loop that gets a turn every 16 requests. The
 figure is this process's CPU (all threads: the export thread too, after a flush) per
-request, median of the repeats. It imports whichever
-genmesh the interpreter has, so running it with another checkout's interpreter measures
-that tree (the A/B).
+request, median of the repeats. `--lag S` measures instead, for S seconds, how late a
+1 ms timer fires in that loop while `--rate` such requests a second make and export their
+spans: the wait tracing's encoding and export put on every request a loop serves. It
+imports whichever genmesh the interpreter has, so running it with another checkout's
+interpreter measures that tree (the A/B).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 RECEIVER = """
 import sys
@@ -145,8 +149,12 @@ def run(args: argparse.Namespace) -> None:
             print(f"  run {repeat + 1}: {figures[-1]:.1f} us CPU/request", file=sys.stderr)
         return figures
 
-    figures = asyncio.run(measure())
     tree = os.path.dirname(os.path.dirname(os.path.dirname(tracing.__file__)))
+    if args.lag:
+        asyncio.run(lag(requests, args.lag, args.rate, tree))
+        tracing.shutdown()
+        return
+    figures = asyncio.run(measure())
     print(
         f"tracing hooks + export per request ({tree}; "
         f"{'an attempt span per attempt' if per_attempt else 'no attempt span'}): "
@@ -156,9 +164,48 @@ def run(args: argparse.Namespace) -> None:
     tracing.shutdown()
 
 
+async def lag(requests: Any, seconds: float, rate: int, tree: str) -> None:
+    """How late a 1 ms timer fires in the loop while `rate` requests a second make their
+    spans and have them exported: what tracing's encoding and export make the event
+    loop, and so every request it serves, wait."""
+    stop = asyncio.Event()
+
+    async def produce() -> None:
+        while not stop.is_set():
+            await requests(rate // 100)  # a hundredth of a second's requests
+            await asyncio.sleep(0.01)
+
+    producer = asyncio.create_task(produce())
+    late: list[float] = []
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        started = time.perf_counter()
+        await asyncio.sleep(0.001)
+        late.append((time.perf_counter() - started - 0.001) * 1e3)
+    stop.set()
+    await producer
+    late.sort()
+
+    def at(q: float) -> float:
+        return late[min(len(late) - 1, int(len(late) * q))]
+
+    print(
+        f"event loop lateness with {rate} traced requests/s ({tree}), {len(late)} ticks: "
+        f"p50 {at(0.5):.2f} ms, p99 {at(0.99):.2f}, p99.9 {at(0.999):.2f}, max {late[-1]:.2f}"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bsp-delay-ms", type=int, default=5000)
+    parser.add_argument(
+        "--lag",
+        type=float,
+        default=0,
+        help="seconds: measure instead how late a 1 ms timer fires in the event loop while "
+        "--rate requests a second make and export their spans",
+    )
+    parser.add_argument("--rate", type=int, default=1000, help="requests a second (--lag)")
     main(parser.parse_args())
