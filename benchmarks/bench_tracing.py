@@ -206,6 +206,10 @@ async def main(args: argparse.Namespace) -> None:
                 found["nats"] = servers[name].pid or 0
                 return found
 
+            def cpu(names: list[str]) -> dict[str, dict[str, tuple[float, float]]]:
+                """Each process's CPU seconds (event loop, other threads), by mesh."""
+                return {n: {r: cpu_split(pid) for r, pid in pids(n).items()} for n in names}
+
             async def checkpoint(name: str, answered: int) -> None:
                 """Once every span of the mesh's last run has arrived, count what its
                 processes' other threads (the export) spent since that run started."""
@@ -233,9 +237,6 @@ async def main(args: argparse.Namespace) -> None:
                 for name in meshes:
                     await checkpoint(name, answered.get(name, 1))
                 order = list(meshes) if run % 2 == 0 else list(reversed(meshes))
-
-                def cpu(names: list[str]) -> dict[str, dict[str, tuple[float, float]]]:
-                    return {n: {r: cpu_split(pid) for r, pid in pids(n).items()} for n in names}
 
                 before: dict[str, dict[str, tuple[float, float]]] = {}
                 after: dict[str, dict[str, tuple[float, float]]] = {}
@@ -333,7 +334,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=7, help="runs (every mesh at once)")
+    parser.add_argument("--repeats", type=int, default=7, help="runs (of every mesh)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
         "--bsp-delay-ms",

@@ -237,13 +237,8 @@ def _span(span: AnySpan) -> bytes:
         parts.extend(
             [_event(e.name, e.timestamp, e.attributes, e.dropped_attributes) for e in span.events]
         )
-    else:  # a LightSpan's: (name, timestamp, attributes); a bare one (most) from its cache
-        for name, timestamp, attributes in span.events:
-            if attributes:
-                parts.append(_event(name, timestamp, attributes, 0))
-            else:
-                head, tail = _bare_event(name)
-                parts += (head, _fixed64(timestamp), tail)
+    else:  # a LightSpan's: (name, timestamp, attributes)
+        parts.extend([_event(name, ts, attributes, 0) for name, ts, attributes in span.events])
     if span.dropped_events:
         parts.append(b"\x60" + _varint(span.dropped_events))
     for link in span.links:
@@ -277,10 +272,7 @@ def _span(span: AnySpan) -> bytes:
 
 def encode_span(span: AnySpan) -> EncodedSpan:
     """One span's encoding, with the resource and scope it is grouped by."""
-    body = _span(span)
-    n = len(body)  # a `Span` field of ScopeSpans (tag 2), as `_field` writes it
-    field = b"\x12" + (_SHORT[n] if n < 128 else _varint(n)) + body
-    return span.resource, span.instrumentation_scope, field
+    return span.resource, span.instrumentation_scope, _field(0x12, _span(span))
 
 
 def _prefix(tag: int, length: int) -> bytes:

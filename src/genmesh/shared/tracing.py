@@ -404,11 +404,11 @@ def valid_span_context(
 
 def _traceparent(out: dict[str, str], span: SpanContext) -> None:
     """Write `span`'s context as the SDK's `tracecontext` propagator does."""
+    if span == INVALID_SPAN_CONTEXT:  # (the SDK's test: only that context writes nothing)
+        return
     # A SpanContext is a tuple (valid_span_context): its fields read at once, not by five
     # properties.
-    trace_id, span_id, _, flags, trace_state, valid = span
-    if not valid:
-        return
+    trace_id, span_id, _, flags, trace_state, _ = span
     # The ids' hex digits from their bytes: two thirds of the CPU of formatting them as
     # zero-padded ints (`f"{trace_id:032x}"`), one string built once.
     high, low = trace_id >> 64, trace_id & _LOW64
