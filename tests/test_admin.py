@@ -16,6 +16,7 @@ import pytest
 from genmesh.client import MIG, MeshClient
 from genmesh.codecs import get_codec
 from genmesh.shared import frames
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.envelope import Envelope, Sampling
 from genmesh.shared.ids import new_request_id
 from genmesh.shared.subjects import Subjects
@@ -427,7 +428,7 @@ async def test_flush_with_a_silent_worker_fails_within_the_timeout(
     nc = await nats.connect(nats_url)
     try:
         await nc.publish(Subjects(mesh.namespace).announce, get_codec(None).encode(ghost))
-        await nc.flush()
+        await flush_in_order(nc)
         deadline = time.monotonic() + 5
         while "ghost" not in mesh.worker_ids():
             assert time.monotonic() < deadline

@@ -19,7 +19,7 @@ import nats
 import pytest
 
 from genmesh.codecs import get_codec
-from genmesh.shared.bus import publish
+from genmesh.shared.bus import flush_in_order, publish
 from genmesh.shared.subjects import Subjects
 from genmesh.testkit.sglang.info import SGLANG_VERSION
 from tests.conftest import unique_namespace
@@ -155,7 +155,7 @@ async def test_a_card_with_malformed_engine_info_keeps_its_worker(
     try:
         for announced in (card, odd):
             await publish(nc, subjects.announce, get_codec(None), announced)
-        await nc.flush()
+        await flush_in_order(nc)
     finally:
         await nc.close()
     await wait_for(info_mesh, lambda ids: {"wodd", "wodd2"} <= ids)

@@ -21,6 +21,7 @@ from genmesh import __version__
 from genmesh.client import MeshClient, request
 from genmesh.codecs import get_codec
 from genmesh.services.worker.config import WorkerConfig
+from genmesh.shared.bus import flush_in_order
 from genmesh.shared.natsserver import NatsServer
 from genmesh.shared.subjects import Subjects
 from genmesh.status.srv import QUIET_S
@@ -164,7 +165,7 @@ async def test_the_small_endpoints_count_their_messages(nc: Client, mesh: InProc
     await nc.request(Subjects(ns).worker_ping(wid), b"", timeout=5)
     await nc.publish(Subjects(ns).cancel, get_codec("json").encode({"id": "micro-nobody"}),
                      headers={"genmesh-codec": "json"})  # fmt: skip
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(QUIET_S)
     after = await worker_stats()
     for worker, stats in after.items():

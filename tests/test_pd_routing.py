@@ -28,7 +28,13 @@ from genmesh.services.frontend.serve import start_frontend
 from genmesh.services.router.metrics import router_registry
 from genmesh.services.router.service import Router
 from genmesh.shared import frames, tracing
-from genmesh.shared.bus import PREFILL_HEADER, codec_headers, message_codec, publish
+from genmesh.shared.bus import (
+    PREFILL_HEADER,
+    codec_headers,
+    flush_in_order,
+    message_codec,
+    publish,
+)
 from genmesh.shared.envelope import Envelope
 from genmesh.shared.subjects import Subjects
 from genmesh.shared.tracing import PD_PREFILL_WORKER, ROUTER, WORKER
@@ -66,7 +72,7 @@ class StandIn:
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.worker_generate(self.wid), cb=self._serve)
         await self.nc.subscribe(self.subjects.query, cb=self._announce)  # as workers do
-        await self.nc.flush()
+        await flush_in_order(self.nc)
         await self._announce()
 
     async def _announce(self, _: Msg | None = None) -> None:

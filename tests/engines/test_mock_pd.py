@@ -20,7 +20,7 @@ from genmesh.codecs import get_codec
 from genmesh.engines.base import EngineOutput, usage
 from genmesh.engines.kv_transfer import BAD_PULL
 from genmesh.engines.mock import MockConfig, MockEngine
-from genmesh.shared.bus import PREFILL_HEADER
+from genmesh.shared.bus import PREFILL_HEADER, flush_in_order
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.kv_events import BlockStored
@@ -288,7 +288,7 @@ async def test_closing_the_engine_frees_its_handles_and_ends_its_subscription(
     await pair.prefill.close()
     assert pair.prefill.pd_card()["handles"] == 0
     assert pair.prefill.kv_usage().used_blocks == 0
-    await pair.prefill_nc.flush()  # the server has seen the unsubscription
+    await flush_in_order(pair.prefill_nc)  # the server has seen the unsubscription
     error = await refusal(pair, env, last.handoff)
     assert error.message == (
         f"KV transfer failed: the prefill worker is gone (no responders) (prefill worker {PREFILL})"
@@ -378,7 +378,7 @@ async def test_a_prefill_worker_that_does_not_answer_times_out(
         asked.append(msg.data)
 
     await silent.subscribe(pair.subjects.worker_kv_pull("mute"), cb=swallow)
-    await silent.flush()
+    await flush_in_order(silent)
     env = envelope([1, 2, 3], max_tokens=2)
     loop = asyncio.get_running_loop()
     began = loop.time()
@@ -405,7 +405,7 @@ async def test_an_answer_that_is_no_handle_is_refused(
         await msg.respond(answer)
 
     await impostor.subscribe(pair.subjects.worker_kv_pull("odd"), cb=answer_badly)
-    await impostor.flush()
+    await flush_in_order(impostor)
     error = await refusal(pair, envelope([1, 2], max_tokens=2), {"worker": "odd", "handle": "h"})
     assert error.message.startswith(f"KV transfer failed: {why}")
     assert error.message.endswith("(prefill worker odd)")

@@ -37,7 +37,7 @@ from genmesh.engines.sglang_pd import (
     BootstrapConfig,
     expert_rows,
 )
-from genmesh.shared.bus import PREFILL_HEADER, publish
+from genmesh.shared.bus import PREFILL_HEADER, flush_in_order, publish
 from genmesh.shared.envelope import Disagg, Envelope, prefill_stage_id
 from genmesh.shared.errors import ErrorCode, MeshError
 from genmesh.shared.subjects import Subjects
@@ -593,7 +593,7 @@ async def announced(nats_url: str, namespace: str, worker_id: str) -> dict[str, 
 
     try:
         await nc.subscribe(subjects.announce, cb=on_card)
-        await nc.flush()
+        await flush_in_order(nc)
         await publish(nc, subjects.query, codec, {})
         await eventually(seen)
     finally:
