@@ -721,6 +721,7 @@ async def test_a_stream_whose_last_frames_were_lost_migrates(
 
     await nc.subscribe(subjects.router_generate, cb=route)
     await nc.subscribe(subjects.worker_ping("wlost"), cb=pong)
+    await flush_in_order(nc)  # live before the client (another connection) sends
     try:
         async with await MeshClient.connect(
             nats_url, namespace, ping_after_s=0.2, idle_timeout_s=1.5
