@@ -91,6 +91,19 @@ def test_the_encoding_reads_back_as_the_sdks() -> None:
     assert [len(r.scope_spans) for r in decoded.resource_spans] == [2, 1]
 
 
+def test_schema_urls_and_a_span_without_a_scope_read_back_as_the_sdks() -> None:
+    memory = InMemorySpanExporter()
+    traced = TracerProvider(resource=Resource.create({"service.name": "s"}, "https://r/1"))
+    traced.add_span_processor(SimpleSpanProcessor(memory))
+    traced.get_tracer("genmesh", "0.1", "https://s/1").start_span("with urls").end()
+    [with_urls] = memory.get_finished_spans()
+    bare = ReadableSpan("no scope", with_urls.context, resource=with_urls.resource)
+    decoded = ExportTraceServiceRequest.FromString(encode_spans([with_urls, bare]))
+    assert decoded == sdk_encode([with_urls, bare])
+    assert decoded.resource_spans[0].schema_url == "https://r/1"
+    assert [s.schema_url for s in decoded.resource_spans[0].scope_spans] == ["https://s/1", ""]
+
+
 def test_repeated_attributes_encode_the_same_from_the_cache() -> None:
     spans = spans_of_every_shape()
     assert encode_spans(spans) == encode_spans(spans)

@@ -298,16 +298,15 @@ def encode_request(spans: Iterable[EncodedSpan]) -> bytes:
     # a batch is ~300 kB, and every nested concatenation would copy (and page in) all of it.
     by_resource: dict[int, tuple[Any, list[bytes], list[int]]] = {}
     for resource, scope, encoded in groups.values():
+        inner = b""
         if scope is not None:
             inner = _field(0x0A, scope.name.encode()) if scope.name else b""
             if scope.version:
                 inner += _field(0x12, scope.version.encode())
             inner += _attributes(0x1A, scope.attributes)
-            parts = [_field(0x0A, inner), *encoded]
-            if scope.schema_url:
-                parts.append(_field(0x1A, scope.schema_url.encode()))
-        else:
-            parts = [_field(0x0A, b""), *encoded]
+        parts = [_field(0x0A, inner), *encoded]
+        if scope is not None and scope.schema_url:
+            parts.append(_field(0x1A, scope.schema_url.encode()))
         size = sum(map(len, parts))
         _, resource_parts, length = by_resource.setdefault(id(resource), (resource, [], [0]))
         head = _prefix(0x12, size)
