@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -68,12 +69,20 @@ class StandIn:
             # As services/worker/service.py announces it: {"kind": pd_kind, **pd_card()}.
             self.card["disagg"] = {"kind": "mock", "local_prefill": False}
         self.received: list[tuple[dict[str, str], Envelope]] = []
+        self.generate: Subscription | None = None
 
     async def start(self) -> None:
-        await self.nc.subscribe(self.subjects.worker_generate(self.wid), cb=self._serve)
+        await self.serve()
         await self.nc.subscribe(self.subjects.query, cb=self._announce)  # as workers do
         await flush_in_order(self.nc)
         await self._announce()
+
+    async def serve(self) -> None:
+        """Subscribe to the generate subject (again, after `generate.unsubscribe()`)."""
+        self.generate = await self.nc.subscribe(
+            self.subjects.worker_generate(self.wid), cb=self._serve
+        )
+        await flush_in_order(self.nc)
 
     async def _announce(self, _: Msg | None = None) -> None:
         await publish(self.nc, self.subjects.announce, MSGPACK, self.card)

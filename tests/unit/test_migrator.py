@@ -163,7 +163,16 @@ def test_next_needs_a_failure() -> None:
         m.next(MigrationReason.RETRYABLE_ERROR, None)
 
 
-@pytest.mark.parametrize("reason", [MigrationReason.RETRYABLE_ERROR, MigrationReason.NO_ROUTER])
+@pytest.mark.parametrize(
+    "reason",
+    [
+        MigrationReason.RETRYABLE_ERROR,
+        MigrationReason.NO_ROUTER,
+        # Before an ack: nothing subscribed to the chosen worker's subject (it may be
+        # reconnecting to NATS).
+        MigrationReason.WORKER_GONE,
+    ],
+)
 def test_refusals_back_off_doubling(reason: MigrationReason) -> None:
     m = Migrator(original(), limit=5)
     pauses = []
@@ -180,6 +189,7 @@ def test_refusals_back_off_doubling(reason: MigrationReason) -> None:
         (MigrationReason.ACK_TIMEOUT, None),  # waited already
         (MigrationReason.PUBLISH_FAILED, None),
         (MigrationReason.LEFT_DISCOVERY, "w1"),
+        (MigrationReason.WORKER_GONE, "w1"),  # its ping found it gone, after its ack
     ],
 )
 def test_other_failures_retry_at_once(reason: MigrationReason, worker: str | None) -> None:

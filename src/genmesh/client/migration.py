@@ -31,10 +31,11 @@ MIG: Literal["mig"] = "mig"
 # (set by the decode worker: docs/protocol.md §6.6).
 PREFILL_WORKER_DETAIL = "prefill_worker"
 DEFAULT_MIGRATION_LIMIT = 3
-# A refusal before admission (overloaded; a draining worker; no router subscribed) is
-# retried after a pause that doubles each time (0.1, 0.2, 0.4 s): a full mesh gets a
-# moment to free a slot, and a reconnecting router a moment to subscribe again, instead
-# of meeting every attempt at once.
+# A refusal before admission (overloaded; a draining worker; no router subscribed; no
+# worker subscribed where the client routed it) is retried after a pause that doubles
+# each time (0.1, 0.2, 0.4 s): a full mesh gets a moment to free a slot, and a router or
+# worker reconnecting to NATS a moment to subscribe again, instead of meeting every
+# attempt at once.
 REFUSAL_BACKOFF_S = 0.1
 # A worker whose ping subject had no responders is left out of this client's requests
 # for this long: it may stay listed until discovery expires it (3 heartbeats).
@@ -55,7 +56,9 @@ class MigrationReason(StrEnum):
     ACK_TIMEOUT = "ack_timeout"
     # The acknowledged stream stayed silent past the idle timeout.
     IDLE_TIMEOUT = "idle_timeout"
-    # The silent worker's ping subject has no responders: it is gone.
+    # The silent worker's ping subject has no responders: it is gone. Or nothing is
+    # subscribed to the generate subject of the worker the client chose itself: gone, or
+    # (just after a NATS outage) not subscribed again yet.
     WORKER_GONE = "worker_gone"
     # The silent worker answered its ping that it no longer runs the request: the last
     # frames of the stream were lost (a NATS outage, a reconnect).
@@ -66,8 +69,11 @@ class MigrationReason(StrEnum):
     FRAMES_LOST = "frames_lost"
 
 
-# Refusals: the mesh said no before anyone admitted the request, so a retry waits a moment.
-_REFUSALS = frozenset({MigrationReason.RETRYABLE_ERROR, MigrationReason.NO_ROUTER})
+# Refusals: the mesh said no before anyone admitted the request, so a retry waits a moment
+# (`worker_gone` before an ack: nobody was subscribed to the chosen worker's subject).
+_REFUSALS = frozenset(
+    {MigrationReason.RETRYABLE_ERROR, MigrationReason.NO_ROUTER, MigrationReason.WORKER_GONE}
+)
 
 
 class MigFrame(TypedDict):
